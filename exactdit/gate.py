@@ -1,0 +1,276 @@
+"""The verification gate: no fused kernel ever returns bits that eager would not.
+
+Every fused op is a :class:`FusedOp`: an eager reference (the exact PyTorch expression it
+replaces), a predicate for inputs the kernel supports, a signature of everything that can change
+the bits, and the kernel launcher. :func:`dispatch` routes each call:
+
+1. malformed call -> ``ValueError`` (the same on every path);
+2. fast paths switched off, or inputs the kernel does not support -> eager, counted with why;
+3. first call of a signature on this device -> run both, compare bit for bit (and layout); on a
+   mismatch disable that signature for the process, warn with the first differing element and
+   return the eager result; otherwise remember it as verified;
+4. verified signature -> kernel only, no host sync.
+
+Verification needs a host sync, so while torch.compile traces or a CUDA graph is captured an
+unverified signature takes the eager path instead (a verified one runs its kernel).
+
+Environment switches (read at every call):
+``EXACTDIT_DISABLE=1`` every op runs eager; ``EXACTDIT_VERIFY_ALL=1`` every fused call is checked
+(tests); ``EXACTDIT_TRUST=1`` fused calls are never checked (benchmarks of the raw kernels);
+``EXACTDIT_POISON=1`` fused outputs are pre-filled with a NaN pattern (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import warnings
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from exactdit.numerics import INTERPRET
+
+logger = logging.getLogger("exactdit")
+
+Reason = str
+
+
+class ExactditMismatchWarning(RuntimeWarning):
+    """A fused kernel disagreed with eager; its signature now runs eager."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOp:
+    """One fused op. Every callable takes the op's arguments as the public function got them.
+
+    name: key in :func:`report`.
+    reference: the eager PyTorch expression the kernel reproduces.
+    fused: launches the Triton kernel and returns its output(s).
+    unsupported: returns why the kernel cannot take these inputs, or None.
+    signature: a hashable key of what can change the bits besides device and versions (dtypes,
+        width, row-count class, layouts, flags).
+    validate: raises ValueError for a malformed call (optional).
+    """
+
+    name: str
+    reference: Callable[..., Any]
+    fused: Callable[..., Any]
+    unsupported: Callable[..., Reason | None]
+    signature: Callable[..., tuple]
+    validate: Callable[..., None] | None = None
+
+
+@dataclasses.dataclass
+class _OpStats:
+    fused: int = 0
+    eager: int = 0
+    eager_reasons: Counter = dataclasses.field(default_factory=Counter)
+    verified: set = dataclasses.field(default_factory=set)
+    disabled: dict = dataclasses.field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_stats: dict[str, _OpStats] = {}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no", "off")
+
+
+def poison_outputs() -> bool:
+    """Whether launchers must pre-fill outputs with a NaN pattern (tests, verification)."""
+    return _flag("EXACTDIT_POISON") or getattr(_local, "verifying", False)
+
+
+_local = threading.local()
+
+
+def _op_stats(name: str) -> _OpStats:
+    st = _stats.get(name)
+    if st is None:
+        with _lock:
+            st = _stats.setdefault(name, _OpStats())
+    return st
+
+
+def _cannot_sync() -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def device_key(device: torch.device) -> tuple:
+    """What about the device and software can change a kernel's bits."""
+    import triton
+
+    if device.type == "cuda":
+        where = ("cuda", torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+    else:
+        where = (device.type, "triton-interpreter")
+    return where + (torch.__version__, triton.__version__)
+
+
+def backend_support(tensors: list[torch.Tensor]) -> Reason | None:
+    """Why the fused path cannot run on these tensors' device, or None when it can: CUDA GPUs of
+    compute capability 8.0 or newer, or CPU tensors when Triton runs in its interpreter."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        return "tensors on different devices"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "GPU older than compute capability 8.0"
+        return None
+    if device.type == "cpu" and INTERPRET:
+        return None
+    return f"{device.type} device (fused kernels need a CUDA GPU)"
+
+
+
+def _count_eager(st: _OpStats, reason: Reason) -> None:
+    with _lock:
+        st.eager += 1
+        st.eager_reasons[reason] += 1
+
+
+def _count_fused(st: _OpStats) -> None:
+    with _lock:
+        st.fused += 1
+
+
+def dispatch(op: FusedOp, *args: Any) -> Any:
+    """Run ``op`` on ``args`` through the gate (see the module docstring)."""
+    if op.validate is not None:
+        op.validate(*args)
+    st = _op_stats(op.name)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = tensors[0].device
+    reason = "disabled by EXACTDIT_DISABLE" if _flag("EXACTDIT_DISABLE") else backend_support(tensors)
+    if reason is None:
+        reason = op.unsupported(*args)
+    if reason is not None:
+        _count_eager(st, reason)
+        return op.reference(*args)
+
+    sig = op.signature(*args) + device_key(device)
+    if sig in st.disabled:
+        _count_eager(st, "disabled after a mismatch")
+        return op.reference(*args)
+    trusted = sig in st.verified and not _flag("EXACTDIT_VERIFY_ALL")
+    if trusted or _flag("EXACTDIT_TRUST"):
+        _count_fused(st)
+        return op.fused(*args)
+    if _cannot_sync():
+        _count_eager(st, "unverified signature during compile or graph capture")
+        return op.reference(*args)
+
+    _local.verifying = True
+    try:
+        out = op.fused(*args)
+    finally:
+        _local.verifying = False
+    ref = op.reference(*args)
+    problem = first_difference(out, ref)
+    if problem is None:
+        with _lock:
+            st.verified.add(sig)
+            st.fused += 1
+        return out
+    message = f"exactdit: {op.name} disagreed with eager for signature {sig}: {problem}; this signature now runs eager"
+    with _lock:
+        st.disabled[sig] = problem
+    _count_eager(st, "mismatch at verification")
+    logger.warning(message)
+    warnings.warn(message, ExactditMismatchWarning, stacklevel=3)
+    return ref
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(as_int) if t.dtype.is_floating_point else t
+
+
+def first_difference(out: Any, ref: Any) -> str | None:
+    """None when ``out`` and ``ref`` are bit-identical tensors (or tuples of them) with the same
+    shape, dtype and strides; otherwise a description of the first difference."""
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
+            return f"expected {len(ref)} outputs"
+        for i, (o, r) in enumerate(zip(out, ref)):
+            problem = first_difference(o, r)
+            if problem is not None:
+                return f"output {i}: {problem}"
+        return None
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"got {tuple(out.shape)} {out.dtype}, eager gives {tuple(ref.shape)} {ref.dtype}"
+    if out.stride() != ref.stride():
+        return f"strides {out.stride()} differ from eager's {ref.stride()}"
+    differs = _bits(out) != _bits(ref)
+    if not bool(differs.any()):
+        return None
+    index = tuple(int(i) for i in differs.nonzero()[0])
+    count = int(differs.sum())
+    return (
+        f"{count} of {out.numel()} elements differ, first at index {index}: "
+        f"fused {out[index].item()!r} vs eager {ref[index].item()!r}"
+    )
+
+
+class Report(dict):
+    """``{op name: {"fused", "eager", "eager_reasons", "verified", "disabled"}}``; prints as a
+    table."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "exactdit: no op has been called yet"
+        rows = [("op", "fused", "eager", "verified", "disabled", "eager because")]
+        for name, e in sorted(self.items()):
+            why = ", ".join(f"{r} x{n}" for r, n in e["eager_reasons"].items()) or "-"
+            rows.append((name, str(e["fused"]), str(e["eager"]), str(len(e["verified"])), str(len(e["disabled"])), why))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        for name, e in sorted(self.items()):
+            for sig, why in e["disabled"].items():
+                lines.append(f"disabled {name} {sig}: {why}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def report(show: bool = True) -> Report:
+    """Per op: fused and eager call counts, why calls ran eager, verified and disabled
+    signatures. Prints the table when ``show``."""
+    with _lock:
+        result = Report(
+            {
+                name: {
+                    "fused": st.fused,
+                    "eager": st.eager,
+                    "eager_reasons": dict(st.eager_reasons),
+                    "verified": sorted(map(str, st.verified)),
+                    "disabled": {str(k): v for k, v in st.disabled.items()},
+                }
+                for name, st in _stats.items()
+            }
+        )
+    if show:
+        print(result)
+    return result
+
+
+def reset_report() -> None:
+    """Zero the call counters; verified and disabled signatures are kept."""
+    with _lock:
+        for st in _stats.values():
+            st.fused = st.eager = 0
+            st.eager_reasons.clear()
+
+
+def reset() -> None:
+    """Forget everything, verified and disabled signatures included (tests)."""
+    with _lock:
+        _stats.clear()

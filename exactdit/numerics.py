@@ -1,0 +1,128 @@
+"""Bit-exact arithmetic for Triton kernels: the one toolkit every exactdit kernel uses.
+
+Eager PyTorch runs each op as its own kernel: operands are upcast to fp32 ("opmath"), one
+operation is done, and the result is rounded to the tensor's dtype with round-to-nearest-even.
+A fused kernel reproduces eager bit for bit only if it
+
+* rounds exactly where eager rounds (``round_to`` / ``rounded``),
+* never contracts ``a * b + c`` into one FMA where eager ran two kernels (``mul_rn``/``add_rn``
+  and launching with ``LAUNCH_OPTIONS``),
+* divides with ``div.rn`` where ATen divides, and uses ``rsqrt.approx.f32`` where ATen calls
+  ``rsqrt`` (``div_rn`` / ``rsqrt_approx``),
+* reads scalar arguments as fp32 (``as_fp32``), never letting them promote a chain to fp64.
+
+Every helper also runs under ``TRITON_INTERPRET=1`` (CPU tests) and gives the same bits there,
+with one documented exception: ``rsqrt_approx`` is a hardware approximation; the interpreter
+uses the correctly rounded ``1 / sqrt(x)``, so CPU tests compare against an order model that
+does the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+#: True when Triton runs kernels in its CPU interpreter (decided at import, as Triton does).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Keyword arguments for every kernel launch. Triton contracts ``a * b + c`` into an FMA by
+#: default and, with contraction on, was also seen dropping explicit round trips; eager
+#: PyTorch rounds after every op, so contraction is off everywhere.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16, round-to-nearest-even, by integer arithmetic on the bits.
+
+    Integer arithmetic gives the same bits on the GPU and in the interpreter (which truncates in
+    ``.to(tl.bfloat16)``). Overflow rounds to +-Inf, Inf stays Inf, subnormal fp32 inputs round
+    like any other value (bf16 shares fp32's exponent range), and NaN becomes the canonical
+    0x7FFF that CUDA's ``cvt.rn.bf16.f32`` produces.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = tl.where(is_nan, 0x7FFF, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """Round an fp32 value to DTYPE (bf16, fp16 or fp32) as ``tensor.to(DTYPE)`` does.
+
+    fp16 uses the hardware conversion ``cvt.rn.f16.f32`` (round-to-nearest-even, subnormals
+    kept); the interpreter's fp16 conversion is also round-to-nearest-even.
+    """
+    if DTYPE == tl.bfloat16:
+        return round_to_bf16(x)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """``round_to(x, DTYPE)`` widened back to fp32: the value an eager op of dtype DTYPE hands
+    to the next op of a chain."""
+    return round_to(x, DTYPE).to(tl.float32)
+
+
+@triton.jit
+def as_fp32(value):
+    """A scalar kernel argument as an fp32 value, whatever type it arrived as."""
+    return tl.full((), value, tl.float32)
+
+
+if INTERPRET:
+    # numpy's fp32 arithmetic is correctly rounded and never contracted.
+
+    @triton.jit
+    def mul_rn(a, b):
+        """fp32 ``a * b`` rounded once; never fused with a neighbouring add."""
+        return a * b
+
+    @triton.jit
+    def add_rn(a, b):
+        """fp32 ``a + b`` rounded once; never fused with a neighbouring multiply."""
+        return a + b
+
+    @triton.jit
+    def rsqrt_approx(x):
+        """Interpreter stand-in for ``rsqrt.approx.f32``: correctly rounded ``1 / sqrt(x)``."""
+        return tl.div_rn(1.0, tl.sqrt_rn(x))
+
+else:
+    # PTX ``.rn`` arithmetic is never contracted into FMA by ptxas, whatever the launch options.
+
+    @triton.jit
+    def mul_rn(a, b):
+        """fp32 ``a * b`` rounded once; never fused with a neighbouring add."""
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def add_rn(a, b):
+        """fp32 ``a + b`` rounded once; never fused with a neighbouring multiply."""
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def rsqrt_approx(x):
+        """``torch.rsqrt`` on CUDA: the PTX approximation ``rsqrt.approx.f32`` (not libdevice,
+        not ``1 / sqrt``; those differ from ATen in a large fraction of values)."""
+        return tl.inline_asm_elementwise(
+            "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def div_rn(a, b):
+    """fp32 ``a / b`` correctly rounded (PTX ``div.rn.f32``), as ATen's tensor division."""
+    return tl.div_rn(a, b)

@@ -1,0 +1,61 @@
+"""Shared test helpers: bit comparison, random inputs, the layouts real models produce."""
+
+from __future__ import annotations
+
+import torch
+
+from exactdit.gate import first_difference
+
+
+def assert_bits_equal(out, ref, what=""):
+    problem = first_difference(out, ref)
+    assert problem is None, f"{what}: {problem}"
+
+
+def rand(shape, dtype, device, generator, scale=1.0):
+    """Random values with a wide spread of magnitudes (not just N(0, 1))."""
+    base = torch.randn(shape, generator=generator, dtype=torch.float32)
+    spread = torch.exp2(torch.randint(-6, 7, shape, generator=generator).float())
+    return (base * spread * scale).to(dtype=dtype).to(device)
+
+
+def activation(kind, S, B, D, dtype, device, g):
+    """An activation as models hand it over: [B, S, D], [S, B, D], or a permuted view."""
+    if kind == "bsd":
+        return rand((B, S, D), dtype, device, g)
+    if kind == "sbd":
+        return rand((S, B, D), dtype, device, g)
+    if kind == "sbd_as_bsd":  # ERNIE-Image's x.permute(1, 0, 2)
+        return rand((S, B, D), dtype, device, g).permute(1, 0, 2)
+    if kind == "rows":
+        return rand((S * B, D), dtype, device, g)
+    if kind == "row_slice":  # non-dense view: every other row of a larger tensor
+        return rand((2 * S * B, D), dtype, device, g)[::2]
+    raise ValueError(kind)
+
+
+MODULATION_KINDS = ("vec", "full", "outer", "inner", "chunk", "expanded")
+
+
+def modulation(kind, shape, dtype, device, g):
+    """A modulation vector broadcasting to an activation of ``shape``, in the layouts diffusers
+    DiTs use: [D]; a full tensor; [B, 1, D] under [B, S, D] ("outer"); [1, B, D] under
+    [S, B, D] ("inner"); a ``chunk`` view of a [B, 1, 3D] projection; ERNIE-Image's expanded
+    contiguous copy."""
+    shape = tuple(shape)
+    D = shape[-1]
+    lead = shape[:-1]
+    if kind == "vec":
+        return rand((D,), dtype, device, g)
+    if kind == "full":
+        return rand(shape, dtype, device, g)
+    if kind == "outer":
+        return rand(lead[:1] + (1,) * (len(lead) - 1) + (D,), dtype, device, g)
+    if kind == "inner":
+        return rand((1,) + lead[1:] + (D,), dtype, device, g)
+    if kind == "chunk":
+        big = rand(lead[:1] + (1,) * (len(lead) - 1) + (3 * D,), dtype, device, g)
+        return big.chunk(3, dim=-1)[1]
+    if kind == "expanded":
+        return rand((1,) + lead[1:] + (D,), dtype, device, g).expand(shape).contiguous()
+    raise ValueError(kind)

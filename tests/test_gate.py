@@ -1,0 +1,200 @@
+"""The verification gate, tested with deliberately wrong kernels."""
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import exactdit
+from exactdit import gate, ops, references
+from exactdit.gate import ExactditMismatchWarning, FusedOp, dispatch
+from tests.conftest import DEVICE
+
+
+def _plus_one_ulp(t):
+    bits = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+    return (bits + 1).view(t.dtype)
+
+
+def _op(name, *, wrong_after=0, calls=None):
+    """A residual-gate-add op whose kernel is right for its first ``wrong_after`` calls, then
+    one ulp off."""
+    calls = calls if calls is not None else []
+
+    def fused(r, u, g):
+        calls.append(1)
+        ref = references.residual_gate_add(r, u, g)
+        return ref.clone() if len(calls) <= wrong_after else _plus_one_ulp(ref)
+
+    return FusedOp(
+        name=name,
+        reference=references.residual_gate_add,
+        fused=fused,
+        unsupported=lambda r, u, g: None if r.dtype != torch.float64 else "unsupported dtype torch.float64",
+        signature=lambda r, u, g: (r.dtype, r.shape[-1]),
+    )
+
+
+def _args(dtype=torch.bfloat16, D=32):
+    g = torch.Generator().manual_seed(0)
+    r, u = (torch.randn(4, D, generator=g).to(dtype) for _ in range(2))
+    return r, u, torch.randn(D, generator=g).to(dtype)
+
+
+def _run(op, *args):
+    return dispatch(op, *args)
+
+
+def test_mismatch_disables_the_signature_warns_and_returns_eager():
+    op = _op("wrong")
+    args = _args()
+    with pytest.warns(ExactditMismatchWarning, match=r"wrong disagreed with eager .* first at index \(0, 0\)"):
+        out = _run(op, *args)
+    assert torch.equal(out, references.residual_gate_add(*args))
+    out2 = _run(op, *args)  # disabled now: eager, no second warning, kernel not called again
+    assert torch.equal(out2, references.residual_gate_add(*args))
+    rep = exactdit.report(show=False)["wrong"]
+    assert rep["fused"] == 0 and rep["eager"] == 2
+    assert rep["eager_reasons"] == {"mismatch at verification": 1, "disabled after a mismatch": 1}
+    assert len(rep["disabled"]) == 1 and "128 of 128 elements differ" in next(iter(rep["disabled"].values()))
+
+
+def test_other_signatures_stay_enabled_after_a_mismatch():
+    op = _op("partly_wrong", wrong_after=1)
+    _run(op, *_args(D=32))  # verified
+    with pytest.warns(ExactditMismatchWarning):
+        _run(op, *_args(D=48))  # second call is wrong: this signature is disabled
+    _run(op, *_args(D=32))  # still trusted, kernel runs unchecked
+    rep = exactdit.report(show=False)["partly_wrong"]
+    assert rep["fused"] == 2 and rep["eager"] == 1 and len(rep["verified"]) == 1
+
+
+def test_verified_signature_is_not_checked_again():
+    calls = []
+    op = _op("trusted", wrong_after=1, calls=calls)
+    args = _args()
+    first = _run(op, *args)
+    second = _run(op, *args)  # the kernel is now wrong, but a verified signature is trusted
+    assert torch.equal(first, references.residual_gate_add(*args))
+    assert not torch.equal(second, first) and len(calls) == 2
+
+
+def test_verify_all_checks_every_call(monkeypatch):
+    monkeypatch.setenv("EXACTDIT_VERIFY_ALL", "1")
+    op = _op("checked", wrong_after=1)
+    args = _args()
+    _run(op, *args)
+    with pytest.warns(ExactditMismatchWarning):
+        out = _run(op, *args)
+    assert torch.equal(out, references.residual_gate_add(*args))
+
+
+def test_trust_never_checks(monkeypatch):
+    monkeypatch.setenv("EXACTDIT_TRUST", "1")
+    op = _op("raw")
+    args = _args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _run(op, *args)
+    assert torch.equal(out, _plus_one_ulp(references.residual_gate_add(*args)))
+    assert exactdit.report(show=False)["raw"]["verified"] == []
+
+
+def test_disable_switch_runs_everything_eager(monkeypatch):
+    monkeypatch.setenv("EXACTDIT_DISABLE", "1")
+    calls = []
+    op = _op("off", calls=calls)
+    out = _run(op, *_args())
+    assert torch.equal(out, references.residual_gate_add(*_args())) and not calls
+    assert exactdit.report(show=False)["off"]["eager_reasons"] == {"disabled by EXACTDIT_DISABLE": 1}
+
+
+def test_unsupported_inputs_run_eager_with_the_reason():
+    calls = []
+    op = _op("picky", calls=calls)
+    _run(op, *_args(dtype=torch.float64))
+    assert not calls
+    assert exactdit.report(show=False)["picky"]["eager_reasons"] == {"unsupported dtype torch.float64": 1}
+
+
+def test_no_verification_while_compiling(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    calls = []
+    op = _op("compiling", calls=calls)
+    out = _run(op, *_args())
+    assert torch.equal(out, references.residual_gate_add(*_args())) and not calls
+    assert exactdit.report(show=False)["compiling"]["eager_reasons"] == {
+        "unverified signature during compile or graph capture": 1
+    }
+
+
+def test_report_prints_a_table(capsys):
+    _run(_op("tabled", wrong_after=5), *_args())
+    rep = exactdit.report()
+    printed = capsys.readouterr().out
+    assert "tabled" in printed and "fused" in printed.splitlines()[0]
+    assert rep["tabled"]["fused"] == 1 and str(rep) in printed
+    exactdit.reset_report()
+    assert exactdit.report(show=False)["tabled"]["fused"] == 0
+    assert len(exactdit.report(show=False)["tabled"]["verified"]) == 1
+
+
+def test_counts_are_thread_safe():
+    op = _op("threads", wrong_after=10**9)
+    args = _args()
+
+    def work():
+        for _ in range(50):
+            _run(op, *args)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rep = exactdit.report(show=False)["threads"]
+    assert rep["fused"] + rep["eager"] == 200 and rep["eager"] == 0
+
+
+def test_malformed_calls_raise_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="update shape"):
+        ops.residual_gate_add(x, torch.randn(4, 9), torch.randn(8))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        ops.modulate(x, torch.randn(3, 8))
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
+        ops.modulate(x, 1.0)
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: (torch.randn(4, 8, dtype=torch.float64),) * 3, "unsupported dtype torch.float64"),
+        (lambda: (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, dtype=torch.bfloat16)), "mixed dtypes"),
+        (lambda: (torch.randn(8, 4).t(), torch.randn(4, 8), torch.randn(8)), "residual not contiguous along the last dim"),
+        (lambda: (torch.randn(2, 2, 2, 8),) * 3, "4-d activation (kernels take 1 to 3 dims)"),
+    ],
+)
+def test_unsupported_inputs_of_real_ops_fall_back(make, reason):
+    r, u, g = (t.to(DEVICE) for t in make())
+    assert torch.equal(ops.residual_gate_add(r, u, g), references.residual_gate_add(r, u, g))
+    rep = exactdit.report(show=False)["residual_gate_add"]
+    assert rep["eager_reasons"] == {reason: 1} and rep["fused"] == 0
+
+
+def test_cpu_without_interpreter_runs_eager():
+    code = (
+        "import torch, exactdit\n"
+        "x = torch.randn(4, 8, dtype=torch.bfloat16)\n"
+        "exactdit.ops.modulate(x, x[0], x[1], upcast=True)\n"
+        "r = exactdit.report(show=False)['modulate']\n"
+        "assert r['fused'] == 0 and r['eager'] == 1, r\n"
+        "print(list(r['eager_reasons']))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "cpu device (fused kernels need a CUDA GPU)" in out.stdout

@@ -1,0 +1,53 @@
+"""Shared benchmark plumbing: CUDA-event medians, the copy-bandwidth floor, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+
+
+def median_ms(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median time of ``fn`` in ms (CUDA events, L2 flushed between runs, after warm-up)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), measured now."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(name: str, payload: dict) -> str:
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of ``rows``."""
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

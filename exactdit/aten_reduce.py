@@ -167,12 +167,16 @@ def mean_lastdim_config(
     *,
     num_sms: int = 132,
     max_threads_per_sm: int = 2048,
+    vectorize_min_dim0: int = 128,
 ) -> ReduceConfig:
     """Launch config ATen uses for one launch reducing ``M`` fp32 rows of ``D``.
 
     ``M`` here is the row count of the launch. For tensors needing the 32-bit
     split (``4*M*D > 2**31 - 1``) use :func:`mean_lastdim_launches`, which
     calls this per piece.
+
+    ``vectorize_min_dim0`` is a hypothesis knob for the probe: the source read
+    vectorizes when ``D >= 128``; older releases used ``D > 128`` (pass 129).
     """
     M = int(M)
     D = int(D)
@@ -183,7 +187,7 @@ def mean_lastdim_config(
 
     dim0 = num_inputs
     dim1 = num_outputs
-    vectorize = dim0 >= 128  # reduced dim is fastest, stride 1, one reduced dim
+    vectorize = dim0 >= vectorize_min_dim0  # reduced dim fastest, stride 1, one reduced dim
     if vectorize:
         dim0 = dim0 // INPUT_VEC
 
@@ -273,11 +277,17 @@ def split_rows_for_32bit_indexing(M: int, D: int) -> List[Tuple[int, int]]:
 
 
 def mean_lastdim_launches(
-    M: int, D: int, *, num_sms: int = 132, max_threads_per_sm: int = 2048
+    M: int,
+    D: int,
+    *,
+    num_sms: int = 132,
+    max_threads_per_sm: int = 2048,
+    vectorize_min_dim0: int = 128,
 ) -> List[Tuple[int, int, ReduceConfig]]:
     """``[(row_start, row_count, config), ...]`` for every kernel launch."""
     return [
-        (s, n, mean_lastdim_config(n, D, num_sms=num_sms, max_threads_per_sm=max_threads_per_sm))
+        (s, n, mean_lastdim_config(n, D, num_sms=num_sms, max_threads_per_sm=max_threads_per_sm,
+                                   vectorize_min_dim0=vectorize_min_dim0))
         for s, n in split_rows_for_32bit_indexing(M, D)
     ]
 
@@ -380,7 +390,7 @@ def _thread_values_scalar(rows, cfg: ReduceConfig):
     return _combine4(acc)
 
 
-def _cross_thread(vals, cfg: ReduceConfig):
+def _cross_thread(vals, cfg: ReduceConfig, block_order: str = "xy"):
     """Combine per-thread totals [R, T] into row totals [R] in ATen's order."""
     import torch
 
@@ -390,8 +400,14 @@ def _cross_thread(vals, cfg: ReduceConfig):
     C = cfg.ctas_per_output
     # input index p = x + y*bw + c*bw*wy
     v = vals.reshape(R, C, wy, bw)
-    v = _halving_tree(v, 3)  # x first (shared-memory stages, then shuffles)
-    v = _halving_tree(v, 2)  # then y (no-op when wy == 1)
+    if block_order == "xy":
+        v = _halving_tree(v, 3)  # x first (shared-memory stages, then shuffles)
+        v = _halving_tree(v, 2)  # then y (no-op when wy == 1)
+    elif block_order == "yx":  # pre-late-2025 order, kept as a probe hypothesis
+        v = _halving_tree(v, 2)
+        v = _halving_tree(v, 2)
+    else:
+        raise ValueError(block_order)
     if C == 1:
         return v[:, 0]
     # global reduce: last block's thread q sums staged block totals q, q+n, ...
@@ -418,6 +434,9 @@ def mean_lastdim_reference_order(
     num_sms: int = 132,
     max_threads_per_sm: int = 2048,
     return_sums: bool = False,
+    vectorize_min_dim0: int = 128,
+    block_order: str = "xy",
+    factor: Optional[float] = None,
 ):
     """fp32 ``x.mean(-1)`` computed with ATen's CUDA order of additions.
 
@@ -430,6 +449,11 @@ def mean_lastdim_reference_order(
     fresh allocation).
     Returns a float32 tensor ``[R]`` (use ``.unsqueeze(-1)`` for keepdim), or
     the pre-project row sums when ``return_sums``.
+
+    Hypothesis knobs (defaults = what the source says; the probe flips them to
+    see which one the GPU follows): ``vectorize_min_dim0`` (see
+    :func:`mean_lastdim_config`), ``block_order`` ("xy": lanes then warps;
+    "yx": warps then lanes), ``factor`` (override the fp32 scale).
     """
     import torch
 
@@ -450,7 +474,8 @@ def mean_lastdim_reference_order(
 
     sums = torch.empty(R, dtype=torch.float32)
     for start, count, cfg in mean_lastdim_launches(
-        M, D, num_sms=num_sms, max_threads_per_sm=max_threads_per_sm
+        M, D, num_sms=num_sms, max_threads_per_sm=max_threads_per_sm,
+        vectorize_min_dim0=vectorize_min_dim0,
     ):
         in_piece = (idx >= start) & (idx < start + count)
         if not bool(in_piece.any()):
@@ -462,12 +487,12 @@ def mean_lastdim_reference_order(
                 if sel.numel() == 0:
                     continue
                 vals = _thread_values_vectorized(x[sel], cfg, s)
-                sums[sel] = _cross_thread(vals, cfg)
+                sums[sel] = _cross_thread(vals, cfg, block_order)
         else:
             sel = torch.nonzero(in_piece).reshape(-1)
             vals = _thread_values_scalar(x[sel], cfg)
-            sums[sel] = _cross_thread(vals, cfg)
+            sums[sel] = _cross_thread(vals, cfg, block_order)
     if return_sums:
         return sums
-    factor = torch.tensor(mean_factor(M, D), dtype=torch.float32)
-    return sums * factor
+    f = mean_factor(M, D) if factor is None else float(factor)
+    return sums * torch.tensor(f, dtype=torch.float32)

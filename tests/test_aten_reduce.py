@@ -330,3 +330,15 @@ def test_project_is_multiply_by_factor():
     got = mean_lastdim_reference_order(x, num_rows=4097, row_index=[0])
     want = torch.tensor(4097 * 5.0, dtype=torch.float32) * torch.tensor(mean_factor(4097, 4097), dtype=torch.float32)
     assert torch.equal(got, want.reshape(1))
+
+
+def test_hypothesis_knobs():
+    # D > 128 (older rule) makes D = 128 a scalar-load launch
+    assert mean_lastdim_config(1, 128, vectorize_min_dim0=129).vectorize_input is False
+    assert mean_lastdim_config(1, 129, vectorize_min_dim0=129).vectorize_input is True
+    x = _rows_with_range(32, 16384, seed=2)
+    a = mean_lastdim_reference_order(x, num_rows=16)  # warps split the row
+    b = mean_lastdim_reference_order(x, num_rows=16, block_order="yx")
+    assert not torch.equal(a, b)
+    c = mean_lastdim_reference_order(x, num_rows=16, factor=1.0)
+    assert torch.equal(c, mean_lastdim_reference_order(x, num_rows=16, return_sums=True))

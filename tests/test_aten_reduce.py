@@ -337,8 +337,8 @@ def test_hypothesis_knobs():
     assert mean_lastdim_config(1, 128, vectorize_min_dim0=129).vectorize_input is False
     assert mean_lastdim_config(1, 129, vectorize_min_dim0=129).vectorize_input is True
     x = _rows_with_range(32, 16384, seed=2)
-    a = mean_lastdim_reference_order(x, num_rows=16)  # warps split the row
-    b = mean_lastdim_reference_order(x, num_rows=16, block_order="yx")
+    a = mean_lastdim_reference_order(x, num_rows=64)  # D = 16384: warps split the row
+    b = mean_lastdim_reference_order(x, num_rows=64, block_order="yx")
     assert not torch.equal(a, b)
-    c = mean_lastdim_reference_order(x, num_rows=16, factor=1.0)
-    assert torch.equal(c, mean_lastdim_reference_order(x, num_rows=16, return_sums=True))
+    c = mean_lastdim_reference_order(x, num_rows=64, factor=1.0)
+    assert torch.equal(c, mean_lastdim_reference_order(x, num_rows=64, return_sums=True))

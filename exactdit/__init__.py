@@ -1,0 +1,1 @@
+"""exactdit: bit-exact fused kernels for diffusers DiTs."""

@@ -7,15 +7,16 @@ can reproduce eager bit for bit, and a Triton kernel writer can read the exact
 order off this file.  The models work on CPU and CUDA tensors alike and are
 vectorised over rows (every op acts on all rows at once).
 
-Source read (see ``docs`` in the report of the norms branch): pytorch
-``aten/src/ATen/native/cuda/layer_norm_kernel.cu`` and
-``aten/src/ATen/native/layer_norm.cpp`` as stored for a 2.15.0a0 snapshot that
-carries the fused RMSNorm (``rms_norm`` template flag, added in 2.8), plus the
-2.x ``ActivationGeluKernel.cu``; ``block_reduce.cuh``, ``SharedReduceOps.h`` and
-``thread_constants.h`` from the installed torch headers.  The forward kernels
-are the same from 2.8 through that snapshot as far as could be seen; the
-NUMERICS.md measurements on 2.11 agree with them for RMSNorm.  Everything the
-probe (``benchmarks/probe_aten_norms.py``) has not confirmed is marked LEAD.
+Sources read (no torch 2.11 snapshot was available; the 2.11 release lies
+between these and NUMERICS.md measurements on 2.11 agree for RMSNorm):
+``aten/src/ATen/native/cuda/layer_norm_kernel.cu`` (cyyever/pytorch @ 0660972b,
+a 2.15.0a0 development snapshot carrying the ``rms_norm`` template flag that
+was added in 2.8), ``aten/src/ATen/native/layer_norm.cpp`` (same fork @
+0d188885), ``ActivationGeluKernel.cu`` (pytorch/pytorch @ 043e4c88 and
+eellison/pytorch @ 6e52f80e: same GELU expression), and ``block_reduce.cuh``,
+``SharedReduceOps.h``, ``thread_constants.h`` from the installed torch 2.13
+headers.  Claims the GPU probe (``benchmarks/probe_aten_norms.py``) has not
+confirmed are marked LEAD.
 
 Conventions used below
 ----------------------

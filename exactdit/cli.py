@@ -118,6 +118,19 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
     sys.exit(code)
 
 
+@main.command("tiny-pipeline", hidden=True)
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+def tiny_pipeline(out_dir, seed) -> None:
+    """Save a tiny random-weight ERNIE-Image pipeline (for smoke tests of `generate`, 32x32 images)."""
+    from exactdit.harness.tiny import save_tiny_pipeline
+
+    try:
+        click.echo(save_tiny_pipeline(out_dir, seed=seed))
+    except OSError as exc:
+        raise _fail(exc) from None
+
+
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 def compare(files) -> None:

@@ -251,3 +251,11 @@ def test_compare_cli_errors(tmp_path):
     assert_clean_error(res, 1, "at least two")
     res = invoke("compare", FIX / "perf_base.json", tmp_path / "missing.json")
     assert_clean_error(res, 1, "no such file")
+
+
+def test_demo_refuses_config_that_does_not_fit(api, monkeypatch, tmp_path):
+    from exactdit.harness import demo as demo_mod
+
+    monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 1 << 20)
+    res = invoke("demo", "--config", "small", "--device", "cpu", "--out", tmp_path)
+    assert_clean_error(res, 1, "--config small needs about", "GiB")

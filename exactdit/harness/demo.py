@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from . import _api, metrics, perf
 from .ab import latent_side_by_side
 from .sampling import make_inputs, sample, warmup
-from .tiny import build_transformer, count_params, dtype_from_name, dtype_name, get_config
+from .tiny import build_transformer, count_params, dtype_from_name, dtype_name, estimate_bytes, get_config
 
 
 class HarnessError(RuntimeError):
@@ -44,6 +45,27 @@ CPU_NOTE = (
 )
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device (CUDA: mem_get_info; CPU: available physical pages), None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (clearly) a config whose weights alone would not fit, instead of being killed for OOM."""
+    need = estimate_bytes(config, dtype)
+    have = available_bytes(device)
+    if have is not None and need * 1.1 > have:
+        raise HarnessError(
+            f"--config {config} needs about {need / 2**30:.1f} GiB for its weights in {dtype_name(dtype)} but only "
+            f"{have / 2**30:.1f} GiB is free on {device.type}; use a smaller --config or a bigger device"
+        )
+
+
 @dataclass
 class DemoOptions:
     config: str | None = None
@@ -71,6 +93,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     dtype = dtype_from_name(dtname)
     if opts.steps < 1:
         raise HarnessError("--steps must be >= 1")
+    check_memory(config, dtype, device)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -21,8 +21,9 @@ import torch
 
 # Transformer configs. ``latent_hw`` is the (packed) latent grid the demo samples at; ``text_len`` is
 # the synthetic prompt length (the negative prompt is shorter, so padding/masking is exercised).
-# "full" is the architecture diffusers registers by default for ErnieImageTransformer2DModel
-# (hidden 3072, 24 heads of 128, 128 latent channels, 2560-d text features) at 1024x1024.
+# "full" is the released ERNIE-Image / ERNIE-Image-Turbo transformer shape (about 8B parameters: hidden 4096,
+# 32 heads of 128, 36 layers, 3072-d Mistral3 text features) at 1024x1024; "small" keeps the per-head
+# shapes (head_dim 128, RoPE axes 32/48/48, 128 latent channels, 3072-d text) with fewer, narrower layers.
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": dict(
@@ -46,11 +47,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
             hidden_size=1024,
             num_attention_heads=8,
             num_layers=4,
-            ffn_hidden_size=2816,
+            ffn_hidden_size=3072,
             in_channels=128,
             out_channels=128,
             patch_size=1,
-            text_in_dim=2560,
+            text_in_dim=3072,
             rope_theta=256,
             rope_axes_dim=(32, 48, 48),
         ),
@@ -60,14 +61,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "full": {
         "model": dict(
-            hidden_size=3072,
-            num_attention_heads=24,
-            num_layers=24,
-            ffn_hidden_size=8192,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_layers=36,
+            ffn_hidden_size=12288,
             in_channels=128,
             out_channels=128,
             patch_size=1,
-            text_in_dim=2560,
+            text_in_dim=3072,
             rope_theta=256,
             rope_axes_dim=(32, 48, 48),
         ),
@@ -107,23 +108,37 @@ def count_params(model: torch.nn.Module) -> int:
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int, device: torch.device | str) -> None:
-    """Fill every parameter of ``model`` (already on ``device``, float32) from a seeded generator.
+    """Fill every parameter of ``model`` (already on ``device``) from a seeded generator.
 
     Matrices / conv kernels: N(0, 1/fan_in) (keeps activations O(1) through the stack); 1-d weights
     (norm scales): 1 + N(0, 0.02); biases: N(0, 0.02). This re-initialises the layers diffusers leaves
-    at zero (``adaLN_modulation[-1]``, ``final_linear``). Parameters are filled in name order, so the
-    result depends only on (config, seed, device type).
+    at zero (``adaLN_modulation[-1]``, ``final_linear``). Values are drawn in float32 one parameter at a
+    time, in name order, then rounded to the parameter's dtype, so the result depends only on
+    (config, seed, device type, dtype) and the peak memory is the model plus one float32 parameter.
     """
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(int(seed))
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
         if p.dim() >= 2:
             fan_in = math.prod(p.shape[1:])
-            p.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
+            tmp.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
         elif name.endswith(".weight"):  # 1-d weights are norm scales
-            p.normal_(1.0, 0.02, generator=gen)
+            tmp.normal_(1.0, 0.02, generator=gen)
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            tmp.normal_(0.0, 0.02, generator=gen)
+        p.copy_(tmp)
+        del tmp
+
+
+def estimate_bytes(config: str | dict, dtype: torch.dtype) -> int:
+    """Parameter memory of a config in ``dtype`` (built on the meta device, nothing allocated)."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    model_cfg = get_config(config)["model"] if isinstance(config, str) else dict(config)
+    with torch.device("meta"):
+        model = ErnieImageTransformer2DModel(**model_cfg)
+    return count_params(model) * torch.empty((), dtype=dtype).element_size()
 
 
 def build_transformer(
@@ -139,10 +154,10 @@ def build_transformer(
     model_cfg = get_config(config)["model"] if isinstance(config, str) else dict(config)
     with torch.device("meta"):
         model = ErnieImageTransformer2DModel(**model_cfg)
-    model = model.to_empty(device=device)
+    # nn.Module.to, not ModelMixin.to (which warns about fp32-kept modules; this model has none).
+    model = torch.nn.Module.to(model, dtype=dtype).to_empty(device=device)
     init_random_weights(model, seed, device)
-    # nn.Module.to: ModelMixin.to warns about fp32-kept modules, which this model has none of.
-    model = torch.nn.Module.to(model, dtype=dtype).eval()
+    model.eval()
     model.requires_grad_(False)
     return model
 

@@ -85,8 +85,10 @@ def demo(config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, pr
 @click.option("--negative-prompt", default="", show_default=True, help="Negative prompt (used when CFG > 1).")
 @click.option("--ab", is_flag=True, help="Also run eager (twice) and write an A/B report.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Denoising steps (ERNIE-Image-Turbo: 8).")
+@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
+              help="CFG scale (ERNIE-Image-Turbo: 1).")
 @click.option("--height", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/generate", show_default=True)

@@ -1,0 +1,150 @@
+"""exactdit command-line interface: ``demo``, ``generate`` and ``compare``.
+
+Heavy imports (torch, diffusers) happen inside the commands so ``exactdit --help`` is instant.
+User errors print one ``Error: ...`` line and exit non-zero (1 for runtime errors, 2 for bad usage);
+``demo`` and ``generate --ab`` exit 1 when patched and eager outputs differ.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+CONFIG_CHOICES = ("tiny", "small", "full")
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _version() -> str:
+    from exactdit.harness._api import version
+
+    return version()
+
+
+def _fail(exc: BaseException) -> click.ClickException:
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    return click.ClickException(msg)
+
+
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"exactdit {_version()}")
+        ctx.exit(0)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the exactdit version and exit.")
+def main() -> None:
+    """Bit-exact fused Triton kernels for diffusers' ERNIE-Image: demo, generate and compare."""
+
+
+@main.command()
+def version() -> None:
+    """Print the exactdit version."""
+    click.echo(_version())
+
+
+@main.command()
+@click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
+              help="Embedded model size [default: tiny on CPU, small on CUDA].")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="Sampling steps.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights, noise and text features.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
+              help="Model dtype [default: fp32 on CPU, bf16 on CUDA].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
+              help="Output folder for the latent preview PNG and perf JSONs.")
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
+              help="CFG scale (> 1 batches [uncond, cond] like the pipeline).")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Untimed transformer calls before each timed run (kernel compilation / autotuning).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
+def demo(config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress) -> None:
+    """Eager vs patched sampling of an embedded ERNIE-Image transformer (random weights, no downloads).
+
+    Exits 1 when the final latents of the two runs are not bit-identical.
+    """
+    from exactdit.harness import _api
+    from exactdit.harness.demo import DemoOptions, HarnessError, run_demo
+
+    opts = DemoOptions(config=config, steps=steps, seed=seed, dtype=dtype, out=out_dir, device=device,
+                       guidance_scale=guidance_scale, warmup=warmup, progress=progress)
+    try:
+        _, code = run_demo(opts, echo=click.echo)
+    except (HarnessError, _api.ExactditAPIError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--model-path", type=click.Path(), required=True,
+              help="Local diffusers ERNIE-Image / ERNIE-Image-Turbo folder (loaded with local_files_only).")
+@click.option("--prompt", required=True, help="Text prompt.")
+@click.option("--negative-prompt", default="", show_default=True, help="Negative prompt (used when CFG > 1).")
+@click.option("--ab", is_flag=True, help="Also run eager (twice) and write an A/B report.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Denoising steps (ERNIE-Image-Turbo: 8).")
+@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
+              help="CFG scale (ERNIE-Image-Turbo: 1).")
+@click.option("--height", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/generate", show_default=True)
+@click.option("--use-pe/--no-use-pe", default=False, show_default=True,
+              help="Prompt enhancement (sampled text rewriting; off for reproducibility).")
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
+              help="Load dtype [default: fp32 on CPU, bf16 on CUDA].")
+@click.option("--warmup/--no-warmup", default=None,
+              help="Untimed 1-step generation before each timed run [default: on for CUDA, off on CPU].")
+def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scale, height, width, out_dir,
+             use_pe, device, dtype, warmup) -> None:
+    """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
+    from exactdit.harness import _api
+    from exactdit.harness.demo import HarnessError
+    from exactdit.harness.generate import GenerateOptions, ModelDirError, run_generate, validate_model_dir
+
+    try:
+        validate_model_dir(model_path)
+    except ModelDirError as exc:
+        raise _fail(exc) from None
+    opts = GenerateOptions(model_path=model_path, prompt=prompt, negative_prompt=negative_prompt, ab=ab,
+                           seed=seed, steps=steps, guidance_scale=guidance_scale, height=height, width=width,
+                           out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup)
+    try:
+        _, code = run_generate(opts, echo=click.echo)
+    except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+    sys.exit(code)
+
+
+@main.command("tiny-pipeline", hidden=True)
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+def tiny_pipeline(out_dir, seed) -> None:
+    """Save a tiny random-weight ERNIE-Image pipeline (for smoke tests of `generate`, 32x32 images)."""
+    from exactdit.harness.tiny import save_tiny_pipeline
+
+    try:
+        click.echo(save_tiny_pipeline(out_dir, seed=seed))
+    except OSError as exc:
+        raise _fail(exc) from None
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+def compare(files) -> None:
+    """Markdown table of end-to-end and per-stage deltas between perf JSONs (first = baseline)."""
+    from exactdit.harness.perf import PerfFileError
+    from exactdit.harness.perf import compare as compare_files
+
+    try:
+        click.echo(compare_files(files), nl=False)
+    except PerfFileError as exc:
+        raise _fail(exc) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

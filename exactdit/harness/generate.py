@@ -1,0 +1,273 @@
+"""``exactdit generate``: run a local ERNIE-Image (or ERNIE-Image-Turbo) diffusers folder, patched,
+optionally A/B against eager, with per-stage timings."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import _api, ab, metrics, perf
+from .demo import HarnessError, default_dtype, resolve_device
+from .sampling import synchronize
+from .tiny import dtype_from_name
+
+PIPELINE_CLASSES = ("ErnieImagePipeline",)
+# component -> (config file, needs weights)
+REQUIRED = {
+    "transformer": ("config.json", True),
+    "vae": ("config.json", True),
+    "text_encoder": ("config.json", True),
+    "tokenizer": (None, False),
+    "scheduler": ("scheduler_config.json", False),
+}
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelDirError(HarnessError):
+    pass
+
+
+def validate_model_dir(path: str | Path) -> dict:
+    """Check that ``path`` is a complete local ERNIE-Image diffusers folder; returns model_index.json."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelDirError(f"model folder not found: {p}")
+    if not p.is_dir():
+        raise ModelDirError(f"--model-path must be a folder, got a file: {p}")
+    index_path = p / "model_index.json"
+    if not index_path.is_file():
+        raise ModelDirError(f"{p} is not a diffusers pipeline folder (no model_index.json)")
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"{index_path} is not valid JSON: {exc}") from None
+    cls = index.get("_class_name")
+    if cls not in PIPELINE_CLASSES:
+        raise ModelDirError(f"{p} holds a {cls or 'unknown'} pipeline; expected {', '.join(PIPELINE_CLASSES)}")
+    missing: list[str] = []
+    for comp, (cfg_file, needs_weights) in REQUIRED.items():
+        entry = index.get(comp)
+        sub = p / comp
+        if not entry or entry == [None, None]:
+            missing.append(f"{comp} (not in model_index.json)")
+            continue
+        if not sub.is_dir():
+            missing.append(f"{comp}/")
+            continue
+        if cfg_file and not (sub / cfg_file).is_file():
+            missing.append(f"{comp}/{cfg_file}")
+        if comp == "tokenizer" and not any((sub / f).is_file() for f in TOKENIZER_FILES):
+            missing.append("tokenizer/tokenizer.json")
+        if needs_weights and not any(any(sub.glob(pat)) for pat in WEIGHT_PATTERNS):
+            missing.append(f"{comp} weights (*.safetensors)")
+    if missing:
+        raise ModelDirError(f"incomplete model folder {p}: missing " + ", ".join(missing))
+    return index
+
+
+@dataclass
+class GenerateOptions:
+    model_path: str
+    prompt: str
+    negative_prompt: str = ""
+    ab: bool = False
+    seed: int = 0
+    steps: int = 50
+    guidance_scale: float = 4.0
+    height: int = 1024
+    width: int = 1024
+    out: str = "runs/generate"
+    use_pe: bool = False
+    device: str = "auto"
+    dtype: str | None = None
+    warmup: bool | None = None
+    progress: bool = True
+
+
+def load_pipeline(model_path: str | Path, dtype: torch.dtype, device: torch.device):
+    from diffusers import ErnieImagePipeline
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            pipe = ErnieImagePipeline.from_pretrained(str(model_path), torch_dtype=dtype, local_files_only=True)
+    except Exception as exc:  # surfaced as a one-line CLI error
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelDirError(f"could not load the pipeline from {model_path}: {type(exc).__name__}: {first}") from exc
+    return pipe.to(device)
+
+
+@torch.no_grad()
+def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, steps: int | None = None) -> dict:
+    """One pipeline call with a fixed-seed generator; returns images, final latents and perf timings."""
+    steps = steps or opts.steps
+    marks: dict = {"text": 0.0, "text_end": None, "steps": [], "last": None, "latents": None}
+    orig_encode = pipe.encode_prompt
+
+    def encode_prompt(*args, **kwargs):
+        synchronize(device)
+        t0 = time.perf_counter()
+        res = orig_encode(*args, **kwargs)
+        synchronize(device)
+        t1 = time.perf_counter()
+        marks["text"] += t1 - t0
+        marks["text_end"] = t1
+        marks["last"] = t1
+        return res
+
+    def on_step(_pipe, i, t, kwargs):
+        synchronize(device)
+        now = time.perf_counter()
+        marks["steps"].append(now - marks["last"])
+        marks["last"] = now
+        marks["latents"] = kwargs["latents"]
+        return {}
+
+    pipe.__dict__["encode_prompt"] = encode_prompt
+    pipe.set_progress_bar_config(desc=label, disable=not opts.progress, leave=False)
+    generator = torch.Generator("cpu").manual_seed(opts.seed)
+    perf.reset_peak_memory(device)
+    synchronize(device)
+    start = time.perf_counter()
+    marks["last"] = start
+    try:
+        out = pipe(
+            prompt=opts.prompt,
+            negative_prompt=opts.negative_prompt,
+            height=opts.height,
+            width=opts.width,
+            num_inference_steps=steps,
+            guidance_scale=opts.guidance_scale,
+            generator=generator,
+            use_pe=opts.use_pe,
+            callback_on_step_end=on_step,
+            callback_on_step_end_tensor_inputs=["latents"],
+        )
+        synchronize(device)
+    finally:
+        pipe.__dict__.pop("encode_prompt", None)
+    end = time.perf_counter()
+    den_start = marks["text_end"] if marks["text_end"] is not None else start
+    return {
+        "label": label,
+        "images": list(out.images),
+        "latents": marks["latents"].detach().clone() if marks["latents"] is not None else None,
+        "revised_prompts": getattr(out, "revised_prompts", None),
+        "total_s": end - start,
+        "stages": {
+            "text_encoding_s": marks["text"],
+            "denoising_s": (marks["last"] - den_start) if marks["steps"] else 0.0,
+            "decoding_s": end - marks["last"],
+        },
+        "steps_s": marks["steps"],
+        "peak": perf.peak_memory(device),
+    }
+
+
+def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
+    """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
+    validate_model_dir(opts.model_path)
+    ex = _api.api()
+    device = resolve_device(opts.device)
+    dtname = opts.dtype or default_dtype(device)
+    dtype = dtype_from_name(dtname)
+    warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    pipe = load_pipeline(opts.model_path, dtype, device)
+    load_s = time.perf_counter() - t0
+    vsf = getattr(pipe, "vae_scale_factor", 16)
+    if opts.height % vsf or opts.width % vsf:
+        raise HarnessError(f"--height and --width must be multiples of {vsf} for this model "
+                           f"(got {opts.height}x{opts.width})")
+    if opts.use_pe and getattr(pipe, "pe", None) is None:
+        echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
+    echo(f"exactdit generate: {opts.model_path} on {device.type} ({perf.device_info(device).get('name')}), "
+         f"{dtname}, {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.guidance_scale:g}, seed {opts.seed}"
+         f", loaded in {load_s:.1f}s")
+    if device.type != "cuda":
+        echo("NOTE: no CUDA GPU: the fused Triton path needs a CUDA GPU; the patched run falls back to eager.")
+
+    args = {k: v for k, v in vars(opts).items()}
+    args.update(device=str(device), dtype=dtname, warmup=warm, load_s=load_s)
+    runs: dict[str, dict] = {}
+
+    if opts.ab:
+        if warm:
+            timed_run(pipe, opts, device, "warmup eager", steps=1)
+        runs["baseline"] = timed_run(pipe, opts, device, "baseline (eager)")
+        runs["baseline_repeat"] = timed_run(pipe, opts, device, "baseline repeat")
+    patch_summary = ex.patch(pipe)
+    try:
+        if warm:
+            timed_run(pipe, opts, device, "warmup patched", steps=1)
+        ex.reset_report()
+        runs["patched"] = timed_run(pipe, opts, device, "patched")
+        runs["patched"]["report"] = _api.normalize_report(ex.report(show=False))
+    finally:
+        ex.unpatch(pipe)
+
+    written: list[str] = []
+    for label, run in runs.items():
+        md5s = [metrics.md5_image(im) for im in run["images"]]
+        for i, im in enumerate(run["images"]):
+            if label == "baseline_repeat":
+                continue
+            p = out / f"image_{label}_{i}.png"
+            im.save(p)
+            written.append(str(p))
+        rec = perf.make_record(
+            label=label, kind="generate", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
+            stages=run["stages"], args=args, report=run.get("report", {}), peak_gpu_memory_bytes=run["peak"],
+            outputs={
+                "image_md5": md5s,
+                "latents_md5": metrics.md5_tensor(run["latents"]) if run["latents"] is not None else None,
+                "revised_prompts": run["revised_prompts"],
+            },
+        )
+        if label == "patched":
+            rec["outputs"]["patch_summary"] = patch_summary
+        p = perf.write_json(out / f"perf_{label}.json", rec)
+        written.append(str(p))
+        run["md5s"] = md5s
+
+    pr = runs["patched"]
+    echo("")
+    echo(f"{'run':<16} {'total s':>8} {'text s':>7} {'denoise s':>9} {'decode s':>8} {'step ms(mean)':>13}  image md5")
+    for label, run in runs.items():
+        st = run["stages"]
+        mean_step = sum(run["steps_s"]) / max(1, len(run["steps_s"])) * 1e3
+        echo(f"{label:<16} {run['total_s']:>8.3f} {st['text_encoding_s']:>7.3f} {st['denoising_s']:>9.3f} "
+             f"{st['decoding_s']:>8.3f} {mean_step:>13.2f}  {run['md5s'][0] if run['md5s'] else '-'}")
+    fused, fell_back, reasons = _api.summarize_report(pr["report"])
+    echo(f"fused: {fused} op calls ran fused, {fell_back} fell back to eager"
+         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})" if reasons else ""))
+
+    code = 0
+    summary = {"files": written, "report": pr["report"], "md5": {k: r["md5s"] for k, r in runs.items()}}
+    if opts.ab:
+        meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
+                "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
+        rep = ab.write_report(out, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
+        written += [str(out / f) for f in rep["files"]]
+        summary["ab"] = rep
+        det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
+        echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
+        cmp = rep["patched_vs_baseline"]
+        if "latents" in cmp:
+            echo(f"     latents max_abs {cmp['latents']['max_abs']:.3g}")
+        for i, c in enumerate(cmp.get("images", [])):
+            echo(f"     image {i}: max_abs {c['max_abs']:g}, PSNR {ab._fmt(c['psnr_db'])} dB, SSIM {ab._fmt(c['ssim'])}")
+        if rep["verdict"] != "EQUAL":
+            code = 1
+    echo("wrote: " + ", ".join(written))
+    return summary, code

@@ -1,0 +1,267 @@
+"""Perf JSON records (one per run) and ``compare`` (Markdown table of end-to-end / per-stage deltas).
+
+Record layout (``schema: exactdit.perf/1``)::
+
+    {
+      "schema": "exactdit.perf/1", "label": "patched", "kind": "demo" | "generate",
+      "created": ISO-8601 time, "args": {...},
+      "device": {"type", "name", "capability", "count", "cpu", "torch_threads"},
+      "versions": {"python", "torch", "cuda", "triton", "diffusers", "transformers", "exactdit"},
+      "git_commit": "..." | null,
+      "timings": {"total_s", "stages": {"text_encoding_s", "denoising_s", "decoding_s"}, "steps_s": [...]},
+      "peak_gpu_memory_bytes": int | null,
+      "exactdit_report": {op: {"fused", "eager", "eager_reasons"}},
+      "outputs": {...md5s, files}
+    }
+
+Stages that do not apply to a run (the demo has no text encoder or VAE) are ``null``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = "exactdit.perf/1"
+STAGES = ("text_encoding_s", "denoising_s", "decoding_s")
+
+
+# ------------------------------------------------------------------------------------------- JSON
+
+
+def _sanitize(obj):
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_sanitize(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Strict JSON (inf/nan written as strings), indented, trailing newline."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_sanitize(obj), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------ environment
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    import torch
+
+    from ._api import version as exactdit_version
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "exactdit": exactdit_version(),
+    }
+
+
+def device_info(device) -> dict:
+    import torch
+
+    dev = torch.device(device)
+    info: dict[str, Any] = {
+        "type": dev.type,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    if dev.type == "cuda" and torch.cuda.is_available():
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        info.update(
+            name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            total_memory_bytes=int(props.total_memory),
+            count=torch.cuda.device_count(),
+        )
+    else:
+        info["name"] = info["cpu"] or "cpu"
+    return info
+
+
+def git_commit() -> str | None:
+    """Commit of the exactdit checkout (``EXACTDIT_GIT_COMMIT`` overrides), or None if unknown."""
+    env = os.environ.get("EXACTDIT_GIT_COMMIT")
+    if env:
+        return env
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    commit = out.stdout.strip()
+    try:
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    return commit + ("-dirty" if dirty else "")
+
+
+def reset_peak_memory(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device) -> int | None:
+    import torch
+
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def make_record(
+    *,
+    label: str,
+    kind: str,
+    device,
+    total_s: float,
+    steps_s: list[float],
+    stages: dict | None = None,
+    args: dict | None = None,
+    report: dict | None = None,
+    outputs: dict | None = None,
+    peak_gpu_memory_bytes: int | None = None,
+) -> dict:
+    st = {k: None for k in STAGES}
+    st.update(stages or {})
+    return {
+        "schema": SCHEMA,
+        "label": label,
+        "kind": kind,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(sys.argv),
+        "args": dict(args or {}),
+        "device": device_info(device),
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "timings": {"total_s": float(total_s), "stages": st, "steps_s": [float(x) for x in steps_s]},
+        "peak_gpu_memory_bytes": peak_gpu_memory_bytes,
+        "exactdit_report": dict(report or {}),
+        "outputs": dict(outputs or {}),
+    }
+
+
+# ---------------------------------------------------------------------------------------- compare
+
+
+class PerfFileError(ValueError):
+    pass
+
+
+def load_record(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PerfFileError(f"{path}: no such file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PerfFileError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("timings"), dict) or "total_s" not in rec["timings"]:
+        raise PerfFileError(f"{path}: not an exactdit perf JSON (no timings.total_s)")
+    return rec
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def metrics_of(rec: dict) -> dict[str, float | None]:
+    t = rec.get("timings", {})
+    stages = t.get("stages") or {}
+    steps = [float(x) for x in (t.get("steps_s") or []) if _num(x) is not None]
+    mem = _num(rec.get("peak_gpu_memory_bytes"))
+    return {
+        "end-to-end (s)": _num(t.get("total_s")),
+        "text encoding (s)": _num(stages.get("text_encoding_s")),
+        "denoising (s)": _num(stages.get("denoising_s")),
+        "decoding (s)": _num(stages.get("decoding_s")),
+        "per step, mean (s)": statistics.fmean(steps) if steps else None,
+        "per step, median (s)": statistics.median(steps) if steps else None,
+        "peak GPU memory (MiB)": mem / 2**20 if mem is not None else None,
+    }
+
+
+def _cell(v: float | None, base: float | None) -> str:
+    if v is None:
+        return "–"
+    s = f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+    if base is None or base == 0:
+        return s
+    pct = (v - base) / base * 100.0
+    speed = base / v if v else math.inf
+    return f"{s} ({pct:+.1f}%, {speed:.2f}x)"
+
+
+def _name(rec: dict, path: str | Path) -> str:
+    label = rec.get("label")
+    stem = Path(path).name
+    return f"{stem} ({label})" if label else stem
+
+
+def compare(paths: Iterable[str | Path]) -> str:
+    """Markdown table: one column per perf JSON, the first is the baseline; later columns show the value,
+    the relative change and the speedup (baseline / value) for each metric."""
+    paths = list(paths)
+    if len(paths) < 2:
+        raise PerfFileError("compare needs at least two perf JSON files (baseline first)")
+    recs = [load_record(p) for p in paths]
+    cols = [metrics_of(r) for r in recs]
+    header = "| metric | " + " | ".join(_name(r, p) for r, p in zip(recs, paths)) + " |"
+    lines = [header, "|---|" + "---|" * len(recs)]
+    for key in cols[0]:
+        if all(c[key] is None for c in cols):
+            continue
+        base = cols[0][key]
+        cells = [_cell(base, None)] + [_cell(c[key], base) for c in cols[1:]]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    devs = {r.get("device", {}).get("name") for r in recs}
+    notes = []
+    if len(devs) > 1:
+        notes.append("note: the runs are on different devices: " + ", ".join(sorted(str(d) for d in devs)))
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -1,0 +1,261 @@
+"""End-to-end tests of the CLI (CPU): demo, generate on a tiny offline pipeline, compare, errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import exactdit
+from exactdit.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _fake_exactdit import ensure_api  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def api(monkeypatch):
+    """The real exactdit API if present, else a stand-in (see _fake_exactdit)."""
+    ensure_api(monkeypatch)
+    return exactdit
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe_dir(tmp_path_factory):
+    from exactdit.harness.tiny import save_tiny_pipeline
+
+    return Path(save_tiny_pipeline(tmp_path_factory.mktemp("tiny_ernie") / "pipe", seed=0))
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_clean_error(res, code, *needles):
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in res.output, res.output
+
+
+# ------------------------------------------------------------------------------------------- basics
+
+
+def test_help_and_version():
+    res = invoke("--help")
+    assert res.exit_code == 0
+    for cmd in ("demo", "generate", "compare"):
+        assert cmd in res.output
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.output.startswith("exactdit ")
+
+
+def test_python_dash_m_entry_point():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "exactdit", "--help"], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "generate" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_tiny_end_to_end(api, tmp_path):
+    res = invoke("demo", "--config", "tiny", "--steps", 2, "--seed", 1, "--out", tmp_path, "--device", "cpu",
+                 "--no-progress")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "EQUAL" in out and "DIFFERENT" not in out
+    assert "fused Triton path needs a CUDA GPU" in out
+    assert "fell back to eager" in out
+    for f in ("demo_latents.png", "perf_eager.json", "perf_patched.json"):
+        assert (tmp_path / f).is_file(), f
+    eager = json.loads((tmp_path / "perf_eager.json").read_text())
+    patched = json.loads((tmp_path / "perf_patched.json").read_text())
+    assert eager["outputs"]["latents_md5"] == patched["outputs"]["latents_md5"]
+    assert eager["outputs"]["latents_md5"] in out
+    assert len(patched["timings"]["steps_s"]) == 2
+    assert patched["args"]["config"] == "tiny" and patched["args"]["dtype"] == "fp32"
+    assert patched["outputs"]["verdict"] == "EQUAL"
+    rep = patched["exactdit_report"]
+    assert rep and all({"fused", "eager", "eager_reasons"} <= set(e) for e in rep.values())
+    assert sum(e["fused"] for e in rep.values()) == 0  # CPU: nothing can run fused
+    # the two perf JSONs feed `compare`
+    res = invoke("compare", tmp_path / "perf_eager.json", tmp_path / "perf_patched.json")
+    assert res.exit_code == 0 and res.output.startswith("| metric |")
+
+
+def test_demo_exits_nonzero_when_runs_differ(api, monkeypatch, tmp_path):
+    saved = {}
+
+    def bad_patch(obj):  # a "patch" that changes numerics
+        w = obj.final_linear.weight
+        saved["w"] = w.detach().clone()
+        with torch.no_grad():
+            w.mul_(1.0 + 2.0**-8)
+        return {"bad": True}
+
+    def bad_unpatch(obj):
+        with torch.no_grad():
+            obj.final_linear.weight.copy_(saved["w"])
+
+    monkeypatch.setattr(exactdit, "patch", bad_patch, raising=False)
+    monkeypatch.setattr(exactdit, "unpatch", bad_unpatch, raising=False)
+    res = invoke("demo", "--config", "tiny", "--steps", 2, "--out", tmp_path, "--device", "cpu", "--no-progress",
+                 "--warmup", 0)
+    assert res.exit_code == 1, res.output
+    assert "DIFFERENT" in res.output
+    assert json.loads((tmp_path / "perf_patched.json").read_text())["outputs"]["verdict"] == "DIFFERENT"
+
+
+def test_demo_without_patch_api_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.delattr(exactdit, "patch", raising=False)
+    res = invoke("demo", "--config", "tiny", "--steps", 1, "--out", tmp_path)
+    assert_clean_error(res, 1, "Error:", "exactdit.patch()")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["demo", "--config", "huge"], "--config"),
+        (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--dtype", "fp64"], "--dtype"),
+        (["demo", "--device", "tpu"], "--device"),
+        (["generate", "--prompt", "x"], "--model-path"),
+        (["generate", "--model-path", "."], "--prompt"),
+        (["compare"], "FILES"),
+    ],
+)
+def test_bad_arguments_exit_2(args, needle):
+    res = invoke(*args)
+    assert_clean_error(res, 2, needle)
+
+
+def test_demo_cuda_requested_without_gpu(api, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    res = invoke("demo", "--device", "cuda", "--out", tmp_path)
+    assert_clean_error(res, 1, "Error:", "no CUDA GPU")
+
+
+# ----------------------------------------------------------------------------------------- generate
+
+
+def test_generate_ab_end_to_end(api, tiny_pipe_dir, tmp_path):
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "a red cat on the tree", "--ab",
+                 "--steps", 2, "--height", 32, "--width", 32, "--seed", 7, "--out", tmp_path, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "A/B: EQUAL" in res.output
+    assert "eager deterministic across repeats: yes" in res.output
+    for f in ("image_patched_0.png", "image_baseline_0.png", "perf_patched.json", "perf_baseline.json",
+              "ab_report.json", "ab_report.md", "ab_side_by_side_0.png", "ab_latents_side_by_side.png"):
+        assert (tmp_path / f).is_file(), f
+    rep = json.loads((tmp_path / "ab_report.json").read_text())
+    pvb = rep["patched_vs_baseline"]
+    assert rep["verdict"] == "EQUAL" and rep["baseline_deterministic"] is True
+    assert pvb["latents"]["md5_a"] == pvb["latents"]["md5_b"]
+    assert pvb["images"][0]["psnr_db"] == "inf" and pvb["images"][0]["ssim"] == 1.0
+    perf = json.loads((tmp_path / "perf_patched.json").read_text())
+    st = perf["timings"]["stages"]
+    assert all(isinstance(st[k], float) and st[k] > 0 for k in ("text_encoding_s", "denoising_s", "decoding_s"))
+    assert len(perf["timings"]["steps_s"]) == 2
+    assert perf["timings"]["total_s"] >= st["text_encoding_s"] + st["denoising_s"]
+    assert perf["args"]["use_pe"] is False and perf["args"]["seed"] == 7
+    from PIL import Image
+
+    assert Image.open(tmp_path / "image_patched_0.png").size == (32, 32)
+
+
+def test_generate_without_ab_is_reproducible(api, tiny_pipe_dir, tmp_path):
+    md5s = []
+    for sub in ("a", "b"):
+        res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "blue sky", "--steps", 1,
+                     "--height", 32, "--width", 32, "--guidance-scale", 1.0, "--out", tmp_path / sub)
+        assert res.exit_code == 0, res.output
+        assert not (tmp_path / sub / "ab_report.json").exists()
+        md5s.append(json.loads((tmp_path / sub / "perf_patched.json").read_text())["outputs"]["image_md5"])
+    assert md5s[0] == md5s[1]
+
+
+def test_generate_missing_folder(api, tmp_path):
+    res = invoke("generate", "--model-path", tmp_path / "nope", "--prompt", "x")
+    assert_clean_error(res, 1, "Error: model folder not found")
+
+
+def test_generate_not_a_pipeline_folder(api, tmp_path):
+    res = invoke("generate", "--model-path", tmp_path, "--prompt", "x")
+    assert_clean_error(res, 1, "no model_index.json")
+
+
+def test_generate_incomplete_folder(api, tiny_pipe_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipe_dir, broken)
+    for f in (broken / "transformer").glob("*.safetensors"):
+        f.unlink()
+    (broken / "scheduler" / "scheduler_config.json").unlink()
+    res = invoke("generate", "--model-path", broken, "--prompt", "x")
+    assert_clean_error(res, 1, "incomplete model folder", "transformer weights", "scheduler/scheduler_config.json")
+    shutil.rmtree(broken / "vae")
+    res = invoke("generate", "--model-path", broken, "--prompt", "x")
+    assert_clean_error(res, 1, "vae/")
+
+
+def test_generate_bad_size(api, tiny_pipe_dir, tmp_path):
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--height", 30, "--width", 32,
+                 "--steps", 1, "--out", tmp_path)
+    assert_clean_error(res, 1, "multiples of 4")
+
+
+def test_generate_corrupt_weights(api, tiny_pipe_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "corrupt"
+    shutil.copytree(tiny_pipe_dir, broken)
+    for f in (broken / "transformer").glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    res = invoke("generate", "--model-path", broken, "--prompt", "x", "--steps", 1, "--out", tmp_path / "o")
+    assert_clean_error(res, 1, "could not load the pipeline")
+
+
+# ------------------------------------------------------------------------------------------ compare
+
+
+def test_tiny_pipeline_command_then_generate(api, tmp_path):
+    res = invoke("tiny-pipeline", tmp_path / "p")
+    assert res.exit_code == 0, res.output
+    res = invoke("generate", "--model-path", tmp_path / "p", "--prompt", "a", "--steps", 1, "--height", 16,
+                 "--width", 16, "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "o" / "image_patched_0.png").is_file()
+
+
+def test_compare_cli_on_fixtures():
+    res = invoke("compare", FIX / "perf_base.json", FIX / "perf_new.json")
+    assert res.exit_code == 0
+    assert "| end-to-end (s) | 10.0000 | 8.0000 (-20.0%, 1.25x) |" in res.output
+    assert "| decoding (s) | 1.0000 | 0.6000 (-40.0%, 1.67x) |" in res.output
+
+
+def test_compare_cli_errors(tmp_path):
+    res = invoke("compare", FIX / "perf_base.json")
+    assert_clean_error(res, 1, "at least two")
+    res = invoke("compare", FIX / "perf_base.json", tmp_path / "missing.json")
+    assert_clean_error(res, 1, "no such file")
+
+
+def test_demo_refuses_config_that_does_not_fit(api, monkeypatch, tmp_path):
+    from exactdit.harness import demo as demo_mod
+
+    monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 1 << 20)
+    res = invoke("demo", "--config", "small", "--device", "cpu", "--out", tmp_path)
+    assert_clean_error(res, 1, "--config small needs about", "GiB")

@@ -1,0 +1,66 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from exactdit.harness import perf
+
+FIX = Path(__file__).parent / "fixtures"
+
+EXPECTED_TWO = """\
+| metric | perf_base.json (eager) | perf_new.json (patched) |
+|---|---|---|
+| end-to-end (s) | 10.0000 | 8.0000 (-20.0%, 1.25x) |
+| text encoding (s) | 1.0000 | 1.0000 (+0.0%, 1.00x) |
+| denoising (s) | 8.0000 | 6.4000 (-20.0%, 1.25x) |
+| decoding (s) | 1.0000 | 0.6000 (-40.0%, 1.67x) |
+| per step, mean (s) | 2.0000 | 1.6000 (-20.0%, 1.25x) |
+| per step, median (s) | 1.5000 | 1.2000 (-20.0%, 1.25x) |
+| peak GPU memory (MiB) | 2048.0 | 1024.0 (-50.0%, 2.00x) |
+"""
+
+
+def test_compare_two_fixtures_exact_table():
+    assert perf.compare([FIX / "perf_base.json", FIX / "perf_new.json"]) == EXPECTED_TWO
+
+
+def test_compare_three_files_skips_missing_values_and_flags_devices():
+    out = perf.compare([FIX / "perf_base.json", FIX / "perf_new.json", FIX / "perf_demo_cpu.json"])
+    lines = out.splitlines()
+    assert lines[0] == "| metric | perf_base.json (eager) | perf_new.json (patched) | perf_demo_cpu.json (patched) |"
+    assert "| end-to-end (s) | 10.0000 | 8.0000 (-20.0%, 1.25x) | 20.0000 (+100.0%, 0.50x) |" in lines
+    assert "| text encoding (s) | 1.0000 | 1.0000 (+0.0%, 1.00x) | – |" in lines
+    assert any(line.startswith("note: the runs are on different devices") for line in lines)
+
+
+def test_compare_errors(tmp_path):
+    with pytest.raises(perf.PerfFileError, match="at least two"):
+        perf.compare([FIX / "perf_base.json"])
+    with pytest.raises(perf.PerfFileError, match="no such file"):
+        perf.compare([FIX / "perf_base.json", tmp_path / "nope.json"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(perf.PerfFileError, match="not a readable JSON"):
+        perf.compare([FIX / "perf_base.json", bad])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(perf.PerfFileError, match="not an exactdit perf JSON"):
+        perf.compare([FIX / "perf_base.json", other])
+
+
+def test_make_record_round_trips_through_strict_json(tmp_path):
+    rec = perf.make_record(
+        label="x", kind="demo", device="cpu", total_s=1.5, steps_s=[0.5, 1.0],
+        stages={"denoising_s": 1.5}, report={"op": {"fused": 0, "eager": 2, "eager_reasons": {"cpu": 2}}},
+        outputs={"psnr": float("inf")},
+    )
+    p = perf.write_json(tmp_path / "r.json", rec)
+    back = json.loads(p.read_text())  # strict: inf was written as a string
+    assert back["outputs"]["psnr"] == "inf"
+    assert back["timings"] == {"total_s": 1.5, "stages": {"text_encoding_s": None, "denoising_s": 1.5,
+                                                          "decoding_s": None}, "steps_s": [0.5, 1.0]}
+    assert back["device"]["type"] == "cpu"
+    assert set(back["versions"]) >= {"python", "torch", "triton", "diffusers", "transformers", "exactdit"}
+    assert back["peak_gpu_memory_bytes"] is None
+    assert "git_commit" in back
+    assert perf.load_record(p)["label"] == "x"

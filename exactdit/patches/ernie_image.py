@@ -290,11 +290,7 @@ def _install(module, fn) -> None:
     if _is_patched(module):
         return
     slot = _forward_slot(module)
-    module.__dict__["_exactdit_original"] = {
-        "slot": slot,
-        "instance": slot in module.__dict__,
-        "value": getattr(module, slot),
-    }
+    module.__dict__["_exactdit_original"] = {"slot": slot, "value": getattr(module, slot)}
     module.__dict__[slot] = types.MethodType(fn, module)
 
 
@@ -306,10 +302,12 @@ def _remove(module) -> bool:
     for slot in ("forward", "_old_forward"):
         current = module.__dict__.get(slot)
         if isinstance(current, types.MethodType) and current.__func__ in _PATCHED_FUNCTIONS:
-            if slot == saved["slot"] and not saved["instance"]:
-                del module.__dict__[slot]
+            value = saved["value"]
+            class_forward = isinstance(value, types.MethodType) and value.__func__ is type(module).forward
+            if slot == "forward" and class_forward:
+                del module.__dict__[slot]  # the class's forward again
             else:
-                module.__dict__[slot] = saved["value"]
+                module.__dict__[slot] = value
     return True
 
 

@@ -16,6 +16,14 @@ def median_ms(fn, warmup_ms: float = 25, rep_ms: float = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_median_ms(fn, rep_ms: float = 200) -> float:
+    """Median GPU time of ``fn`` in ms, replayed from a CUDA graph so that Python and launch
+    overhead are excluded (the time a GPU-bound model sees)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -2,7 +2,8 @@
 
 from exactdit import ops
 from exactdit.gate import report, reset_report
+from exactdit.patches import patch, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "report", "reset_report", "__version__"]
+__all__ = ["ops", "patch", "report", "reset_report", "unpatch", "__version__"]

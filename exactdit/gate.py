@@ -71,6 +71,23 @@ class _OpStats:
     eager_reasons: Counter = dataclasses.field(default_factory=Counter)
     verified: set = dataclasses.field(default_factory=set)
     disabled: dict = dataclasses.field(default_factory=dict)
+    # arg_key -> (reason or None, signature): validation, predicate and signature depend only on
+    # shapes, strides, dtypes, devices, alignment and flags, so they are worked out once per layout.
+    plans: dict = dataclasses.field(default_factory=dict)
+
+
+_MAX_PLANS = 4096
+
+
+def arg_key(args: tuple) -> tuple:
+    """Everything about the arguments that validation, predicates and signatures may look at:
+    tensors by shape, strides, dtype, device and 16-byte alignment; other values as they are."""
+    return tuple(
+        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0)
+        if isinstance(a, torch.Tensor)
+        else (arg_key(a) if isinstance(a, tuple) else a)
+        for a in args
+    )
 
 
 _lock = threading.Lock()
@@ -143,19 +160,22 @@ def _count_fused(st: _OpStats) -> None:
 
 def dispatch(op: FusedOp, *args: Any) -> Any:
     """Run ``op`` on ``args`` through the gate (see the module docstring)."""
-    if op.validate is not None:
-        op.validate(*args)
     st = _op_stats(op.name)
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    device = tensors[0].device
-    reason = "disabled by EXACTDIT_DISABLE" if _flag("EXACTDIT_DISABLE") else backend_support(tensors)
-    if reason is None:
-        reason = op.unsupported(*args)
+    key = arg_key(args)
+    plan = st.plans.get(key)
+    if plan is None:
+        plan = _plan(op, args)
+        with _lock:
+            if len(st.plans) >= _MAX_PLANS:
+                st.plans.clear()
+            st.plans[key] = plan
+    reason, sig = plan
+    if _flag("EXACTDIT_DISABLE"):
+        reason = "disabled by EXACTDIT_DISABLE"
     if reason is not None:
         _count_eager(st, reason)
         return op.reference(*args)
 
-    sig = op.signature(*args) + device_key(device)
     if sig in st.disabled:
         _count_eager(st, "disabled after a mismatch")
         return op.reference(*args)
@@ -186,6 +206,18 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     logger.warning(message)
     warnings.warn(message, ExactditMismatchWarning, stacklevel=3)
     return ref
+
+
+def _plan(op: FusedOp, args: tuple) -> tuple[Reason | None, tuple | None]:
+    """Validate a call (raising for a malformed one) and decide, for its layout, whether the
+    kernel may take it and under which signature."""
+    if op.validate is not None:
+        op.validate(*args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    reason = backend_support(tensors) or op.unsupported(*args)
+    if reason is not None:
+        return reason, None
+    return None, op.signature(*args) + device_key(tensors[0].device)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import as_3d, elementwise_blocks, row_offsets, row_strides
+from exactdit.kernels.rows import elementwise_blocks, row_offsets, row_strides, rows_of
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, mul_rn, round_to, rounded
 
 
@@ -101,13 +101,13 @@ def modulate_kernel(
 
 def _launch(kernel, out: torch.Tensor, operands: list[torch.Tensor], **constexprs) -> torch.Tensor:
     """Launch an elementwise kernel over ``out``'s shape; operands broadcast to it."""
-    o3 = as_3d(out, out.shape)
-    views = [as_3d(t, out.shape) for t in operands] + [o3]
-    n_rows, inner, width = o3.shape[0] * o3.shape[1], o3.shape[1], o3.shape[2]
+    shape = tuple(out.shape)
+    tensors = operands + [out]
+    n_rows, inner, width = rows_of(shape)
     block_r, block_d, grid = elementwise_blocks(n_rows, width)
-    strides = [s for v in views for s in row_strides(v)]
+    strides = [s for t in tensors for s in row_strides(t, shape)]
     kernel[grid](
-        *views, n_rows, inner, width, *strides,
+        *tensors, n_rows, inner, width, *strides,
         **constexprs, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out

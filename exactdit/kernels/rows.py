@@ -20,23 +20,34 @@ def row_offsets(rows, inner, stride_outer, stride_inner):
     return (rows // inner) * stride_outer + (rows % inner) * stride_inner
 
 
-def as_3d(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``t`` broadcast to ``shape`` (1 to 3 dims) and viewed as [outer, inner, D]; no copy."""
-    t = t.expand(shape)
-    while t.dim() < 3:
-        t = t.unsqueeze(0)
-    return t
+def row_strides(t: torch.Tensor, shape: tuple) -> tuple[int, int]:
+    """(outer, inner) strides of ``t`` broadcast to ``shape`` (1 to 3 dims) and viewed as
+    [outer, inner, D]; 0 along broadcast or size-1 dims. Integer arithmetic only: no views are
+    made on the launch path."""
+    pad = len(shape) - t.dim()
+    sizes = (1,) * pad + tuple(t.shape)
+    strides = (0,) * pad + t.stride()
+    lead = [0 if sizes[i] == 1 else strides[i] for i in range(len(shape) - 1)]
+    lead = [0] * (2 - len(lead)) + lead
+    return lead[0], lead[1]
 
 
-def row_strides(t3: torch.Tensor) -> tuple[int, int]:
-    """(outer, inner) strides of an [outer, inner, D] view, with 0 for size-1 dims so that a
-    broadcast is recognisable whatever stride PyTorch reports for it."""
-    return tuple(0 if t3.shape[i] == 1 else t3.stride(i) for i in (0, 1))
+def rows_of(shape: tuple) -> tuple[int, int, int]:
+    """(rows, inner, width) of the [outer, inner, D] view of ``shape``."""
+    width = shape[-1]
+    inner = shape[-2] if len(shape) >= 2 else 1
+    outer = shape[-3] if len(shape) == 3 else 1
+    return outer * inner, inner, width
 
 
 def elementwise_blocks(n_rows: int, width: int) -> tuple[int, int, tuple[int, int]]:
     """(BLOCK_R, BLOCK_D, grid) for a memory-bound elementwise kernel: tiles of ~4096 elements,
     at most 1024 wide so a non-power-of-two width wastes little of the last tile."""
-    block_d = min(1024, triton.next_power_of_2(width))
-    block_r = min(max(1, 4096 // block_d), triton.next_power_of_2(n_rows))
-    return block_r, block_d, (triton.cdiv(n_rows, block_r), triton.cdiv(width, block_d))
+    block_d = min(1024, next_power_of_2(width))
+    block_r = min(max(1, 4096 // block_d), next_power_of_2(n_rows))
+    return block_r, block_d, (-(-n_rows // block_r), -(-width // block_d))
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (plain Python: triton's helper is slow to call from the host)."""
+    return 1 << max(0, (n - 1).bit_length())

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import as_3d, elementwise_blocks, row_offsets, row_strides
+from exactdit.kernels.rows import elementwise_blocks, row_offsets, row_strides, rows_of
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, mul_rn, round_to, rounded
 
 #: fp32(1 / sqrt(2)) = 0.70710677f, ATen's ``kAlpha``.
@@ -69,13 +69,12 @@ def geglu_kernel(
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write ``up * gelu(gate)`` into ``out`` (all of one shape, 1 to 3 dims)."""
-    views = [as_3d(t, out.shape) for t in (gate, up, out)]
-    o3 = views[-1]
-    n_rows, inner, width = o3.shape[0] * o3.shape[1], o3.shape[1], o3.shape[2]
+    shape = tuple(out.shape)
+    n_rows, inner, width = rows_of(shape)
     block_r, block_d, grid = elementwise_blocks(n_rows, width)
-    strides = [s for v in views for s in row_strides(v)]
+    strides = [s for t in (gate, up, out) for s in row_strides(t, shape)]
     geglu_kernel[grid](
-        *views, n_rows, inner, width, *strides,
+        gate, up, out, n_rows, inner, width, *strides,
         FORM=GELU_FORM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exactdit.kernels.rows import next_power_of_2
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, div_rn, mul_rn, round_to, rounded, rsqrt_approx
 
 #: threads per row of ATen's vectorized norm kernel, and elements per vector.
@@ -28,6 +29,8 @@ WARP = 32
 #: ``acc = fma(v, v, acc)`` (nvcc contracts the source's ``acc + v * v``); False: mul then add.
 #: Only fp32 inputs (or squares below the fp32 normal range) can tell the two apart.
 SQUARE_FMA = True
+#: elements per program (BLOCK_R rows of BLOCK_N): a memory-bound tile size.
+ROW_BLOCK_ELEMENTS = 4096
 
 
 @triton.jit
@@ -175,57 +178,61 @@ def norm_rope_kernel(
                             N, ROT, NORM, ROPE, HAS_WEIGHT, LANES, ITERS, BLOCK_R, BLOCK_N, SQUARE_FMA)
 
 
-def as_4d(t: torch.Tensor, shape) -> torch.Tensor:
-    """``t`` broadcast to ``shape`` (1 to 4 dims) and viewed as [d0, d1, d2, N]; no copy."""
-    t = t.expand(shape)
-    while t.dim() < 4:
-        t = t.unsqueeze(0)
-    return t
+def strides_4d(t: torch.Tensor, shape: tuple) -> list[int]:
+    """Row strides (d0, d1, d2) of ``t`` broadcast to ``shape`` (1 to 4 dims) and viewed as
+    [d0, d1, d2, N]; 0 along broadcast or size-1 dims. Integer arithmetic only (no views)."""
+    pad = len(shape) - t.dim()
+    sizes = (1,) * pad + tuple(t.shape)
+    strides = (0,) * pad + t.stride()
+    lead = [0 if sizes[i] == 1 else strides[i] for i in range(len(shape) - 1)]
+    return [0] * (3 - len(lead)) + lead
 
 
-def _strides3(t4: torch.Tensor) -> list[int]:
-    """Row strides of a [d0, d1, d2, N] view, 0 for size-1 (broadcast) dims."""
-    return [0 if t4.shape[i] == 1 else t4.stride(i) for i in range(3)]
+def dims_4d(shape: tuple) -> tuple[int, int, int]:
+    """(rows, d1, d2) of the [d0, d1, d2, N] view of ``shape``."""
+    lead = (1, 1, 1) + tuple(shape[:-1])
+    d0, d1, d2 = lead[-3:]
+    return d0 * d1 * d2, d1, d2
 
 
 def _operand(x, weight, out):
-    x4, o4 = as_4d(x, x.shape), as_4d(out, x.shape)
-    n_rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
-    w = weight if weight is not None else x4
+    shape = tuple(x.shape)
+    n_rows, d1, d2 = dims_4d(shape)
+    w = weight if weight is not None else x
     w_s = weight.stride(0) if weight is not None else 0
-    return [x4, w, o4, n_rows, x4.shape[1], x4.shape[2], *_strides3(x4), *_strides3(o4), w_s]
+    return [x, w, out, n_rows, d1, d2, *strides_4d(x, shape), *strides_4d(out, shape), w_s]
 
 
 def norm_rope(pairs, eps, tables, *, norm: bool, rope: bool):
     """Launch the kernel over one or two ``(x, weight, out)`` triples (x: [..., N], 1-4 dims;
     weight [N] or None; out: x's shape) sharing eps and the ``(cos, sin)`` tables (broadcast
-    to x's shape[:-1] + (rot_dim,), or None without rope). Returns the outs."""
+    to x's shape[:-1] + (rot_dim,), unit stride along the last dim; or None without rope).
+    Returns the outs."""
     x0 = pairs[0][0]
     n = x0.shape[-1]
     ops = [_operand(*p) for p in pairs]
     if len(ops) == 1:
         ops.append(list(ops[0]))
-        ops[1][3] = 0  # no rows: axis-1 program 1 exits at once
+        ops[1][3] = 0  # no rows: a second tensor that is never touched
     if rope:
         cos, sin = tables
         rot = cos.shape[-1]
         tshape = tuple(x0.shape[:-1]) + (rot,)
-        c4, s4 = as_4d(cos, tshape), as_4d(sin, tshape)
-        t_strides = _strides3(c4)
-        assert t_strides == _strides3(s4) and c4.stride(-1) == 1 and s4.stride(-1) == 1
+        t_strides = strides_4d(cos, tshape)
     else:
-        c4 = s4 = x0
+        cos = sin = x0
         rot = 0
         t_strides = [0, 0, 0]
     has_weight = pairs[0][1] is not None
     n_vec = n // VEC
-    lanes = min(THREADS, triton.next_power_of_2(n_vec))
-    iters = triton.cdiv(n_vec, THREADS)
-    block_n = triton.next_power_of_2(n)
-    block_r = max(1, min(4096 // block_n, triton.next_power_of_2(max(o[3] for o in ops))))
-    grid = (triton.cdiv(max(o[3] for o in ops), block_r), 2 if len(pairs) == 2 else 1)
+    lanes = min(THREADS, next_power_of_2(n_vec))
+    iters = -(-n_vec // THREADS)
+    block_n = next_power_of_2(n)
+    max_rows = max(o[3] for o in ops)
+    block_r = max(1, min(ROW_BLOCK_ELEMENTS // block_n, next_power_of_2(max_rows)))
+    grid = (-(-max_rows // block_r), len(pairs))
     norm_rope_kernel[grid](
-        *ops[0], *ops[1], c4, s4, *t_strides, float(eps),
+        *ops[0], *ops[1], cos, sin, *t_strides, float(eps),
         N=n, ROT=rot, NORM=norm, ROPE=rope, HAS_WEIGHT=has_weight, LANES=lanes, ITERS=iters,
         BLOCK_R=block_r, BLOCK_N=block_n, SQUARE_FMA=SQUARE_FMA, num_warps=4, **LAUNCH_OPTIONS,
     )

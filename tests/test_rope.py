@@ -150,6 +150,31 @@ def test_qk_norm_rope_kernel_matches_model(dtype, hd, kind, weighted):
     assert_bits_equal(QK_NORM_ROPE.fused(q, k, wq, wk, 1e-6, freqs), ref, "angles")
 
 
+@pytest.mark.parametrize("dtype,hd", [(torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 64)], ids=str)
+def test_general_path_for_full_rotation(dtype, hd, monkeypatch):
+    """Full rotation of a power-of-two head normally takes the halves fast path; the general
+    path (partner reloads, whole-row reduction) must give the same bits."""
+    from exactdit.kernels import rope as rope_kernels
+
+    monkeypatch.setattr(rope_kernels, "HALVES", False)
+    g = torch.Generator().manual_seed(hd + 1)
+    q, k = qkv(2, 5, 3, hd, dtype, g, "fused")
+    wq, wk = rand((hd,), dtype, DEVICE, g), rand((hd,), dtype, DEVICE, g)
+    tables = references.rope_tables(angles(2, 5, hd, g), dtype)
+    assert_bits_equal(QK_NORM_ROPE.fused(q, k, wq, wk, 1e-6, tables), qk_model(q, k, wq, wk, 1e-6, tables))
+    assert_bits_equal(ROPE.fused(q, tables), references.rope(q, tables))
+
+
+def test_q_and_k_of_different_layouts():
+    """q and k of different strides cannot share one launch; they get one each."""
+    g = torch.Generator().manual_seed(11)
+    q, _ = qkv(2, 5, 3, 128, torch.bfloat16, g, "unflatten")
+    _, k = qkv(2, 5, 3, 128, torch.bfloat16, g, "fused")
+    w = rand((128,), torch.bfloat16, DEVICE, g)
+    tables = references.rope_tables(angles(2, 5, 128, g), torch.bfloat16)
+    assert_bits_equal(QK_NORM_ROPE.fused(q, k, w, w, 1e-6, tables), qk_model(q, k, w, w, 1e-6, tables))
+
+
 def test_qk_norm_rope_partial_rotation_and_one_token():
     g = torch.Generator().manual_seed(5)
     for B, S, H, hd, rot in [(1, 1, 2, 128, 64), (2, 3, 1, 256, 32), (1, 4, 8, 96, 96)]:

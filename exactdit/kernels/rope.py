@@ -25,7 +25,6 @@ from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, div_rn, mul_rn, r
 #: threads per row of ATen's vectorized norm kernel, and elements per vector.
 THREADS = 128
 VEC = 4
-WARP = 32
 #: ``acc = fma(v, v, acc)`` (nvcc contracts the source's ``acc + v * v``); False: mul then add.
 #: Only fp32 inputs (or squares below the fp32 normal range) can tell the two apart.
 SQUARE_FMA = True

@@ -28,7 +28,9 @@ def main():
     results = []
     for shape in [(4224, 4096), (4224, 2, 4096)]:
         x, u = (torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-        vec = torch.randn(*shape[:-2], 1, shape[-1], device="cuda", generator=g).to(torch.bfloat16) if len(shape) == 3 else torch.randn(shape[-1], device="cuda", generator=g).to(torch.bfloat16)
+        # ERNIE-Image's layout: [S, B, D] activations, [1, B, D] modulation vectors
+        vec_shape = (1, shape[1], shape[-1]) if len(shape) == 3 else (shape[-1],)
+        vec = torch.randn(*vec_shape, device="cuda", generator=g).to(torch.bfloat16)
         act = x.numel() * 2
         cases = [
             ("residual_gate_add", lambda: RESIDUAL_GATE_ADD.fused(x, u, vec), 3 * act),

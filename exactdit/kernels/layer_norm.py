@@ -1,0 +1,270 @@
+"""``F.layer_norm`` over the last dim, alone or followed by AdaLN modulation, bit-identical to
+ATen's ``vectorized_layer_norm_kernel`` (torch 2.11, CUDA).
+
+One program per row, 4 warps. The program reproduces ATen's 128-thread block exactly as
+:mod:`exactdit.aten_norms` models it (``layer_norm_order_model``, vectorised path):
+
+* "thread" ``t`` (0..127, warp ``t // 32``, lane ``t % 32``) owns the 4-element vectors
+  ``t, t + 128, t + 256, ...`` of the row and runs a Welford update over their elements in
+  order; the program holds the 128 threads' states as [128] tensors;
+* the states are combined by the warp shuffle-down tree (offsets 16..1 inside each warp) and
+  then across warps ``(w0 + w2) + (w1 + w3)``, with ATen's count-weighted combine; lanes
+  without data take part with count 0;
+* ``var = m2 / N`` (``div.rn``), ``rstd = rsqrt.approx(var + eps)``, and the output expression
+  of the affine variant, rounded once to the dtype.
+
+The row is read twice (statistics, then output); the second read mostly hits L2.
+
+FMA placement: an FMA that eager's compiled code has is an explicit ``tl.fma``; every other
+multiply/add goes through ``mul_rn``/``add_rn`` so nothing else is contracted. The placements
+the GPU probe settles are constexpr switches (``MEAN_FMA``, ``SIGMA_FMA``, ``RCP_APPROX``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from exactdit.kernels.elementwise import modulate_values
+from exactdit.kernels.rows import as_3d, row_offsets, row_strides
+from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rounded, rsqrt_approx
+
+#: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
+MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2
+_MEAN_FMA = {"none": MEAN_FMA_NONE, "first": MEAN_FMA_FIRST, "second": MEAN_FMA_SECOND}
+
+#: The contraction choices in use: the order model's defaults until the probe says otherwise
+#: (same names as ``layer_norm_order_model``'s keyword arguments).
+CHOICES = {"mean_fma": "first", "sigma_fma": True, "rcp_approx": False}
+
+THREADS = 128  # ATen's block: 4 warps of 32 threads
+VEC = 4  # elements per vector load, for every dtype
+
+
+if INTERPRET:
+
+    @triton.jit
+    def rcp_approx(x):
+        """Interpreter stand-in for ``rcp.approx.f32``: the correctly rounded ``1 / x``."""
+        return tl.div_rn(1.0, x)
+
+else:
+
+    @triton.jit
+    def rcp_approx(x):
+        """``rcp.approx.ftz.f32``: nvcc's fast reciprocal (only used if the probe finds ATen's
+        ``1.f / count`` compiled to it)."""
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _reciprocal(x, RCP_APPROX: tl.constexpr):
+    """ATen's ``1.f / count``: correctly rounded unless the probe says otherwise."""
+    if RCP_APPROX:
+        return rcp_approx(x)
+    else:
+        return div_rn(1.0, x)
+
+
+@triton.jit
+def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+    """ATen's ``cuWelfordCombine(dataB=(bm, bs, bc), dataA=(am, as_, ac))`` (B is the lane or
+    warp that keeps the result, A the one it receives):
+
+    delta = B.mean - A.mean; count = A.count + B.count; coef = 1 / count;
+    nA = A.count * coef; nB = B.count * coef; mean = nA * A.mean + nB * B.mean (FMA per
+    MEAN_FMA); m2 = fma((delta * delta) * A.count, nB, A.m2 + B.m2) (SIGMA_FMA); count 0 gives
+    mean = m2 = 0.
+    """
+    delta = add_rn(bm, -am)
+    count = add_rn(ac, bc)
+    pos = count > 0.0
+    coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
+    na = mul_rn(ac, coef)
+    nb = mul_rn(bc, coef)
+    if MEAN_FMA == 1:
+        mean = tl.fma(na, am, mul_rn(nb, bm))
+    elif MEAN_FMA == 2:
+        mean = tl.fma(nb, bm, mul_rn(na, am))
+    else:
+        mean = add_rn(mul_rn(na, am), mul_rn(nb, bm))
+    t = mul_rn(mul_rn(delta, delta), ac)
+    if SIGMA_FMA:
+        m2 = tl.fma(t, nb, add_rn(as_, bs))
+    else:
+        m2 = add_rn(add_rn(as_, bs), mul_rn(t, nb))
+    return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
+
+
+@triton.jit
+def _halves(v):
+    """Split the last dim of ``v`` [..., 2h] into its first and second halves [..., h]."""
+    H: tl.constexpr = v.shape[-1] // 2
+    if len(v.shape) == 1:
+        w = tl.permute(tl.reshape(v, (2, H)), (1, 0))
+    else:
+        w = tl.permute(tl.reshape(v, (v.shape[0], 2, H)), (0, 2, 1))
+    return tl.split(w)
+
+
+@triton.jit
+def _tree_step(mean, m2, cnt, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+    """One shuffle-down step: position i keeps ``combine(own=i, other=i + half)``."""
+    bm, am = _halves(mean)
+    bs, as_ = _halves(m2)
+    bc, ac = _halves(cnt)
+    return _combine(bm, bs, bc, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+
+
+@triton.jit
+def _row_stats(
+    x_ptr, row_start, width, eps,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+):
+    """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
+
+    Per thread t, for each element v of its vectors in order (``cuWelfordOnlineSum``):
+    delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
+    The count of an element is the same for every thread that has it (4 * j + i + 1).
+    """
+    t = tl.arange(0, 128)
+    n_vec = width // 4
+    mean = tl.zeros((128,), tl.float32)
+    m2 = tl.zeros((128,), tl.float32)
+    cnt = tl.zeros((128,), tl.float32)
+    quad = tl.arange(0, 4)
+    for j in range(0, tl.cdiv(n_vec, 128)):
+        vec = j * 128 + t
+        valid = vec < n_vec
+        offs = (vec * 4)[:, None] + quad[None, :]
+        tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        base = tl.full((), j * 4, tl.float32)  # exact: counts stay far below 2**24
+        for i in tl.static_range(4):
+            if i == 0:
+                v = v0
+            elif i == 1:
+                v = v1
+            elif i == 2:
+                v = v2
+            else:
+                v = v3
+            delta = add_rn(v, -mean)
+            rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
+            new_mean = tl.fma(delta, rcp, mean)
+            new_m2 = tl.fma(delta, add_rn(v, -new_mean), m2)
+            mean = tl.where(valid, new_mean, mean)
+            m2 = tl.where(valid, new_m2, m2)
+        cnt = tl.where(valid, base + 4.0, cnt)
+    # warp trees: [warp, lane], lanes halved 32 -> 1
+    mean = tl.reshape(mean, (4, 32))
+    m2 = tl.reshape(m2, (4, 32))
+    cnt = tl.reshape(cnt, (4, 32))
+    for _ in tl.static_range(5):
+        mean, m2, cnt = _tree_step(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    # across warps: (w0 + w2, w1 + w3), then their combine
+    mean = tl.reshape(mean, (4,))
+    m2 = tl.reshape(m2, (4,))
+    cnt = tl.reshape(cnt, (4,))
+    for _ in tl.static_range(2):
+        mean, m2, cnt = _tree_step(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    mean = tl.sum(mean, axis=0)  # a single element: the sum is that element, bit for bit
+    m2 = tl.sum(m2, axis=0)
+    var = div_rn(m2, tl.full((), width, tl.float32))
+    rstd = rsqrt_approx(add_rn(var, eps))
+    return mean, rstd
+
+
+@triton.jit
+def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """ATen's output expression in fp32 (before the cast), d = x - mean, t = rstd * d:
+    weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``."""
+    d = add_rn(x, -mean)
+    if HAS_WEIGHT:
+        t = mul_rn(rstd, d)
+        if HAS_BIAS:
+            y = tl.fma(w, t, b)
+        else:
+            y = mul_rn(w, t)
+    elif HAS_BIAS:
+        y = tl.fma(rstd, d, b)
+    else:
+        y = mul_rn(rstd, d)
+    return y
+
+
+@triton.jit
+def layer_norm_kernel(
+    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr,
+    inner, width, eps,
+    x_so, x_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
+    path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
+    + AdaLN, Flux/SD3/Qwen-Image/Wan AdaLN-Zero) on the layer norm rounded to the dtype.
+
+    Accepts bf16, fp16, fp32 with x, weight, bias, scale, shift and out of one dtype; operands
+    are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
+    arrives as fp32.
+    """
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    row = tl.program_id(0)
+    x_start = row_offsets(row, inner, x_so, x_si)
+    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    o_start = row_offsets(row, inner, o_so, o_si)
+    if MODULATE:
+        sc_start = row_offsets(row, inner, sc_so, sc_si)
+        sh_start = row_offsets(row, inner, sh_so, sh_si)
+    cols = tl.arange(0, BLOCK)
+    for c0 in range(0, width, BLOCK):
+        c = c0 + cols
+        mask = c < width
+        x = tl.load(x_ptr + x_start + c, mask=mask, other=0.0).to(tl.float32)
+        w = x
+        b = x
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+        if MODULATE:
+            scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0).to(tl.float32)
+            shift = scale
+            if HAS_SHIFT:
+                shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0).to(tl.float32)
+            y = modulate_values(rounded(y, DTYPE), scale, shift, DTYPE, HAS_SHIFT, UPCAST)
+        tl.store(out_ptr + o_start + c, round_to(y, DTYPE), mask=mask)
+
+
+def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, choices=None):
+    """Write ``F.layer_norm(x, (D,), weight, bias, eps)`` into ``out`` (and, with ``scale``,
+    its modulation ``modulate(., scale, shift, upcast=upcast)``). ``x``: 1 to 3 dims, unit
+    stride along D, D % 4 == 0; ``choices`` overrides :data:`CHOICES` (probe / tests)."""
+    ch = dict(CHOICES, **(choices or {}))
+    shape = out.shape
+    x3, o3 = as_3d(x, shape), as_3d(out, shape)
+    modulating = scale is not None
+    sc3 = as_3d(scale, shape) if modulating else o3
+    sh3 = as_3d(shift, shape) if shift is not None else sc3
+    n_rows, inner, width = o3.shape[0] * o3.shape[1], o3.shape[1], o3.shape[2]
+    strides = [s for v in (x3, sc3, sh3, o3) for s in row_strides(v)]
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # ATen adds eps as fp32
+    block = min(2048, max(512, triton.next_power_of_2(width)))
+    layer_norm_kernel[(n_rows,)](
+        x3, x3 if weight is None else weight, x3 if bias is None else bias, sc3, sh3, o3,
+        inner, width, eps32, *strides,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
+        MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
+        BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+    )
+    return out

@@ -108,6 +108,17 @@ def test_fma_choices_follow_the_model(choices):
         assert_like_model(out, x, 1e-6, w, b, f"{choices} {affine}", choices=choices)
 
 
+def test_runtime_loops(monkeypatch):
+    """Rows too wide to unroll take runtime loops with the same bits."""
+    monkeypatch.setattr(kernels, "MAX_UNROLL", 0)
+    g = torch.Generator().manual_seed(12)
+    x = rand((3, 2, 1028), torch.bfloat16, DEVICE, g) + 2.0
+    w, b = params("both", 1028, torch.bfloat16, g)
+    scale = modulation("outer", x.shape, torch.bfloat16, DEVICE, g)
+    out = LAYER_NORM_MODULATE.fused(x, 1e-6, scale, None, w, b, True)
+    assert_like_model(out, x, 1e-6, w, b, "runtime loops", mod=(scale, None, True))
+
+
 def test_mean_fma_choice_matters():
     """The combine's FMA placement changes output bits when the combined counts differ (D not a
     multiple of 512), so the switch is not idle."""
@@ -150,17 +161,19 @@ def test_unsupported_inputs_run_eager_with_a_reason():
     g = torch.Generator().manual_seed(8)
     x = rand((4, 100), torch.bfloat16, DEVICE, g)
     cases = {
-        "non-vectorised": (rand((4, 102), torch.bfloat16, DEVICE, g), None),  # D % 4 != 0
-        "misaligned": (rand((4 * 100 + 1,), torch.bfloat16, DEVICE, g)[1:].view(4, 100), None),
-        "mixed": (x, rand((100,), torch.float32, DEVICE, g)),
-        "dtype": (rand((4, 100), torch.float64, DEVICE, g), None),
-        "4-d": (rand((2, 2, 2, 100), torch.bfloat16, DEVICE, g), None),
+        "non-vectorised": (rand((4, 102), torch.bfloat16, DEVICE, g), None, None),  # D % 4 != 0
+        "misaligned": (rand((4 * 100 + 1,), torch.bfloat16, DEVICE, g)[1:].view(4, 100), None, None),
+        "mixed": (x, rand((100,), torch.float32, DEVICE, g), None),
+        "dtype": (rand((4, 100), torch.float64, DEVICE, g), None, None),
+        "4-d": (rand((2, 2, 2, 100), torch.bfloat16, DEVICE, g), None, None),
+        "bias only": (x, None, rand((100,), torch.bfloat16, DEVICE, g)),
     }
-    for what, (xx, w) in cases.items():
-        assert_bits_equal(ops.layer_norm(xx, 1e-5, w), references.layer_norm(xx, 1e-5, w), what)
+    for what, (xx, w, b) in cases.items():
+        assert_bits_equal(ops.layer_norm(xx, 1e-5, w, b), references.layer_norm(xx, 1e-5, w, b), what)
     reasons = exactdit.report(show=False)["layer_norm"]["eager_reasons"]
     assert exactdit.report(show=False)["layer_norm"]["fused"] == 0
     assert any("non-vectorised" in r for r in reasons) and "mixed dtypes" in reasons
+    assert any("bias without weight" in r for r in reasons)
     assert sum(reasons.values()) == len(cases)
 
 

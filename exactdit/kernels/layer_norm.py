@@ -34,12 +34,16 @@ from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn,
 MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2
 _MEAN_FMA = {"none": MEAN_FMA_NONE, "first": MEAN_FMA_FIRST, "second": MEAN_FMA_SECOND}
 
-#: The contraction choices in use: the order model's defaults until the probe says otherwise
-#: (same names as ``layer_norm_order_model``'s keyword arguments).
+#: The contraction choices in use (same names as ``layer_norm_order_model``'s keyword
+#: arguments). The H200 probe (torch 2.11) confirmed mean_fma="first", sigma_fma=True and a
+#: correctly rounded ``1 / count``: mean, rstd and output matched eager on every row for bf16
+#: and fp32, widths 64..6144.
 CHOICES = {"mean_fma": "first", "sigma_fma": True, "rcp_approx": False}
 
 THREADS = 128  # ATen's block: 4 warps of 32 threads
 VEC = 4  # elements per vector load, for every dtype
+#: widest row (in 512-element iterations per thread) whose loops are unrolled: D <= 8192
+MAX_UNROLL = 16
 
 
 if INTERPRET:
@@ -120,47 +124,59 @@ def _tree_step(mean, m2, cnt, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, R
 
 
 @triton.jit
+def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr):
+    """Iteration ``j`` of every thread's loop: thread t folds the 4 elements of its vector
+    ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
+    delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
+    The count of an element is the same for every thread that has it (4 * j + i + 1)."""
+    t = tl.arange(0, 128)
+    vec = j * 128 + t
+    valid = vec < n_vec
+    offs = (vec * 4)[:, None] + tl.arange(0, 4)[None, :]
+    tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    base = tl.full((), j * 4, tl.float32)  # exact: counts stay far below 2**24
+    for i in tl.static_range(4):
+        if i == 0:
+            v = v0
+        elif i == 1:
+            v = v1
+        elif i == 2:
+            v = v2
+        else:
+            v = v3
+        delta = add_rn(v, -mean)
+        rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
+        new_mean = tl.fma(delta, rcp, mean)
+        new_m2 = tl.fma(delta, add_rn(v, -new_mean), m2)
+        mean = tl.where(valid, new_mean, mean)
+        m2 = tl.where(valid, new_m2, m2)
+    cnt = tl.where(valid, base + 4.0, cnt)
+    return mean, m2, cnt
+
+
+@triton.jit
 def _row_stats(
     x_ptr, row_start, width, eps,
-    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
 ):
     """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
 
-    Per thread t, for each element v of its vectors in order (``cuWelfordOnlineSum``):
-    delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
-    The count of an element is the same for every thread that has it (4 * j + i + 1).
+    N_ITER > 0: the per-thread loop has exactly N_ITER iterations and is unrolled, so all of the
+    row's loads can be issued before the (serial) Welford arithmetic; 0: a runtime loop.
     """
-    t = tl.arange(0, 128)
     n_vec = width // 4
     mean = tl.zeros((128,), tl.float32)
     m2 = tl.zeros((128,), tl.float32)
     cnt = tl.zeros((128,), tl.float32)
-    quad = tl.arange(0, 4)
-    for j in range(0, tl.cdiv(n_vec, 128)):
-        vec = j * 128 + t
-        valid = vec < n_vec
-        offs = (vec * 4)[:, None] + quad[None, :]
-        tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
-        v0, v2 = tl.split(even)
-        v1, v3 = tl.split(odd)
-        base = tl.full((), j * 4, tl.float32)  # exact: counts stay far below 2**24
-        for i in tl.static_range(4):
-            if i == 0:
-                v = v0
-            elif i == 1:
-                v = v1
-            elif i == 2:
-                v = v2
-            else:
-                v = v3
-            delta = add_rn(v, -mean)
-            rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
-            new_mean = tl.fma(delta, rcp, mean)
-            new_m2 = tl.fma(delta, add_rn(v, -new_mean), m2)
-            mean = tl.where(valid, new_mean, mean)
-            m2 = tl.where(valid, new_m2, m2)
-        cnt = tl.where(valid, base + 4.0, cnt)
+    if N_ITER > 0:
+        for j in tl.static_range(N_ITER):
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX)
+    else:
+        for j in range(0, tl.cdiv(n_vec, 128)):
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX)
     # warp trees: [warp, lane], lanes halved 32 -> 1
     mean = tl.reshape(mean, (4, 32))
     m2 = tl.reshape(m2, (4, 32))
@@ -183,7 +199,9 @@ def _row_stats(
 @triton.jit
 def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """ATen's output expression in fp32 (before the cast), d = x - mean, t = rstd * d:
-    weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``."""
+    weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``.
+    The bias-only form is the order model's and did NOT match eager on the H200 probe: the op
+    sends that variant to eager."""
     d = add_rn(x, -mean)
     if HAS_WEIGHT:
         t = mul_rn(rstd, d)
@@ -199,6 +217,35 @@ def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def _write_chunk(
+    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+    c0, width, mean, rstd,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Columns [c0, c0 + BLOCK) of one row: normalise, optionally modulate, round, store."""
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    c = c0 + cols
+    mask = c < width
+    x = tl.load(x_ptr + x_start + c, mask=mask, other=0.0).to(tl.float32)
+    w = x
+    b = x
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+    if MODULATE:
+        scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0).to(tl.float32)
+        shift = scale
+        if HAS_SHIFT:
+            shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0).to(tl.float32)
+        y = modulate_values(rounded(y, DTYPE), scale, shift, DTYPE, HAS_SHIFT, UPCAST)
+    tl.store(out_ptr + o_start + c, round_to(y, DTYPE), mask=mask)
+
+
+@triton.jit
 def layer_norm_kernel(
     x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr,
     inner, width, eps,
@@ -206,7 +253,7 @@ def layer_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
-    BLOCK: tl.constexpr,
+    N_ITER: tl.constexpr, N_OUT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
     path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
@@ -214,35 +261,27 @@ def layer_norm_kernel(
 
     Accepts bf16, fp16, fp32 with x, weight, bias, scale, shift and out of one dtype; operands
     are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
-    arrives as fp32.
+    arrives as fp32. N_ITER / N_OUT: trip counts of the statistics and output loops when they
+    are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops.
     """
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0)
     x_start = row_offsets(row, inner, x_so, x_si)
-    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER)
     o_start = row_offsets(row, inner, o_so, o_si)
-    if MODULATE:
-        sc_start = row_offsets(row, inner, sc_so, sc_si)
-        sh_start = row_offsets(row, inner, sh_so, sh_si)
-    cols = tl.arange(0, BLOCK)
-    for c0 in range(0, width, BLOCK):
-        c = c0 + cols
-        mask = c < width
-        x = tl.load(x_ptr + x_start + c, mask=mask, other=0.0).to(tl.float32)
-        w = x
-        b = x
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
-        y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
-        if MODULATE:
-            scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0).to(tl.float32)
-            shift = scale
-            if HAS_SHIFT:
-                shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0).to(tl.float32)
-            y = modulate_values(rounded(y, DTYPE), scale, shift, DTYPE, HAS_SHIFT, UPCAST)
-        tl.store(out_ptr + o_start + c, round_to(y, DTYPE), mask=mask)
+    sc_start = row_offsets(row, inner, sc_so, sc_si)  # unused without MODULATE
+    sh_start = row_offsets(row, inner, sh_so, sh_si)
+    if N_OUT > 0:  # unrolled: independent chunks whose loads can be issued together
+        for k in tl.static_range(N_OUT):
+            _write_chunk(
+                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+                k * BLOCK, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
+            )
+    else:
+        for c0 in range(0, width, BLOCK):
+            _write_chunk(
+                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+                c0, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
+            )
 
 
 def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, choices=None):
@@ -259,12 +298,15 @@ def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, 
     strides = [s for v in (x3, sc3, sh3, o3) for s in row_strides(v)]
     eps32 = float(torch.tensor(eps, dtype=torch.float32))  # ATen adds eps as fp32
     block = min(2048, max(512, triton.next_power_of_2(width)))
+    n_iter = triton.cdiv(width // VEC, THREADS)
+    n_out = triton.cdiv(width, block)
+    unroll = n_iter <= MAX_UNROLL
     layer_norm_kernel[(n_rows,)](
         x3, x3 if weight is None else weight, x3 if bias is None else bias, sc3, sh3, o3,
         inner, width, eps32, *strides,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
         MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
-        BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out

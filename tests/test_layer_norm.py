@@ -119,6 +119,16 @@ def test_runtime_loops(monkeypatch):
     assert_like_model(out, x, 1e-6, w, b, "runtime loops", mod=(scale, None, True))
 
 
+def test_constant_reciprocals_are_correctly_rounded():
+    """The unrolled kernel uses Python's ``1.0 / c`` rounded to fp32 as ATen's fp32 ``1.f / c``
+    (``div.rn``): no double-rounding case for the counts it can meet."""
+    import numpy as np
+
+    c = np.arange(1, 4097, dtype=np.float32)
+    assert np.array_equal(np.float32(1.0) / c, np.array([1.0 / k for k in range(1, 4097)], dtype=np.float32))
+    assert kernels.MAX_UNROLL * 4 <= 4096
+
+
 def test_mean_fma_choice_matters():
     """The combine's FMA placement changes output bits when the combined counts differ (D not a
     multiple of 512), so the switch is not idle."""

@@ -104,31 +104,34 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
 
 
 @triton.jit
-def _halves(v):
-    """Split the last dim of ``v`` [..., 2h] into its first and second halves [..., h]."""
-    H: tl.constexpr = v.shape[-1] // 2
-    if len(v.shape) == 1:
-        w = tl.permute(tl.reshape(v, (2, H)), (1, 0))
-    else:
-        w = tl.permute(tl.reshape(v, (v.shape[0], 2, H)), (0, 2, 1))
-    return tl.split(w)
+def _shuffle_down(mean, m2, cnt, t, OFFSET: tl.constexpr, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+    """One tree step over the 128 thread states: thread t keeps ``combine(own=t, other=t +
+    OFFSET)``. Only threads whose partner is meaningful feed the final result (as with
+    ATen's shuffle-down, lanes >= offset compute values nobody reads again)."""
+    src = tl.minimum(t + OFFSET, 127)
+    am = tl.gather(mean, src, 0)
+    as_ = tl.gather(m2, src, 0)
+    ac = tl.gather(cnt, src, 0)
+    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
 
 
 @triton.jit
-def _tree_step(mean, m2, cnt, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
-    """One shuffle-down step: position i keeps ``combine(own=i, other=i + half)``."""
-    bm, am = _halves(mean)
-    bs, as_ = _halves(m2)
-    bc, ac = _halves(cnt)
-    return _combine(bm, bs, bc, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+def _thread0(v, t):
+    """Thread 0's value of a [128] fp32 tensor, bit for bit (an integer sum of one nonzero
+    bit pattern, so no sign of zero or NaN payload is lost)."""
+    bits = tl.where(t == 0, v.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr):
+def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr):
     """Iteration ``j`` of every thread's loop: thread t folds the 4 elements of its vector
     ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
     delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
-    The count of an element is the same for every thread that has it (4 * j + i + 1)."""
+    The count of an element is the same for every thread that has it (4 * j + i + 1). With
+    CONST_RCP (j a constexpr) ``1 / count`` is a compile-time constant: the fp32 rounding of
+    Python's float64 ``1 / c`` equals the correctly rounded fp32 ``1 / c`` for every c <= 4096
+    (checked in the tests), so it equals ATen's ``div.rn`` result."""
     t = tl.arange(0, 128)
     vec = j * 128 + t
     valid = vec < n_vec
@@ -148,7 +151,10 @@ def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.co
         else:
             v = v3
         delta = add_rn(v, -mean)
-        rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
+        if CONST_RCP:
+            rcp = 1.0 / (j * 4 + i + 1)
+        else:
+            rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
         new_mean = tl.fma(delta, rcp, mean)
         new_m2 = tl.fma(delta, add_rn(v, -new_mean), m2)
         mean = tl.where(valid, new_mean, mean)
@@ -173,24 +179,19 @@ def _row_stats(
     cnt = tl.zeros((128,), tl.float32)
     if N_ITER > 0:
         for j in tl.static_range(N_ITER):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX)
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, not RCP_APPROX)
     else:
         for j in range(0, tl.cdiv(n_vec, 128)):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX)
-    # warp trees: [warp, lane], lanes halved 32 -> 1
-    mean = tl.reshape(mean, (4, 32))
-    m2 = tl.reshape(m2, (4, 32))
-    cnt = tl.reshape(cnt, (4, 32))
-    for _ in tl.static_range(5):
-        mean, m2, cnt = _tree_step(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
-    # across warps: (w0 + w2, w1 + w3), then their combine
-    mean = tl.reshape(mean, (4,))
-    m2 = tl.reshape(m2, (4,))
-    cnt = tl.reshape(cnt, (4,))
-    for _ in tl.static_range(2):
-        mean, m2, cnt = _tree_step(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
-    mean = tl.sum(mean, axis=0)  # a single element: the sum is that element, bit for bit
-    m2 = tl.sum(m2, axis=0)
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False)
+    # warp trees (offsets 16..1 inside each warp of 32 threads), then across warps: thread 0
+    # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
+    t = tl.arange(0, 128)
+    for k in tl.static_range(5):
+        mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 64, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 32, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    mean = _thread0(mean, t)
+    m2 = _thread0(m2, t)
     var = div_rn(m2, tl.full((), width, tl.float32))
     rstd = rsqrt_approx(add_rn(var, eps))
     return mean, rstd

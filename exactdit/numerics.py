@@ -34,7 +34,7 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
-def round_to_bf16(x):
+def round_to_bf16_bits(x):
     """fp32 -> bf16, round-to-nearest-even, by integer arithmetic on the bits.
 
     Integer arithmetic gives the same bits on the GPU and in the interpreter (which truncates in
@@ -48,6 +48,20 @@ def round_to_bf16(x):
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = tl.where(is_nan, 0x7FFF, rounded)
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+if INTERPRET:
+    round_to_bf16 = round_to_bf16_bits
+else:
+
+    @triton.jit
+    def round_to_bf16(x):
+        """fp32 -> bf16 with the hardware ``cvt.rn.bf16.f32`` (one instruction instead of ~8 integer
+        ones; memory-bound chains with several bf16 roundings were instruction bound). Measured
+        to match eager like the integer version, NaN -> 0x7FFF included."""
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16.f32 $0, $1;", "=h,r", [x], dtype=tl.bfloat16, is_pure=True, pack=1
+        )
 
 
 @triton.jit

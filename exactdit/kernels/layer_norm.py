@@ -64,6 +64,23 @@ else:
         )
 
 
+if INTERPRET:
+
+    @triton.jit
+    def sub_rn(a, b):
+        """fp32 ``a - b`` rounded once (numpy: never contracted)."""
+        return a - b
+
+else:
+
+    @triton.jit
+    def sub_rn(a, b):
+        """fp32 ``a - b`` rounded once, never fused (``add_rn(a, -b)`` costs an extra sign flip)."""
+        return tl.inline_asm_elementwise(
+            "sub.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
 @triton.jit
 def _reciprocal(x, RCP_APPROX: tl.constexpr):
     """ATen's ``1.f / count``: correctly rounded unless the probe says otherwise."""
@@ -83,7 +100,7 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
     MEAN_FMA); m2 = fma((delta * delta) * A.count, nB, A.m2 + B.m2) (SIGMA_FMA); count 0 gives
     mean = m2 = 0.
     """
-    delta = add_rn(bm, -am)
+    delta = sub_rn(bm, am)
     count = add_rn(ac, bc)
     pos = count > 0.0
     coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
@@ -124,19 +141,25 @@ def _thread0(v, t):
 
 
 @triton.jit
-def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr):
+def _welford_vector(
+    x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr, FULL: tl.constexpr
+):
     """Iteration ``j`` of every thread's loop: thread t folds the 4 elements of its vector
     ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
     delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
     The count of an element is the same for every thread that has it (4 * j + i + 1). With
     CONST_RCP (j a constexpr) ``1 / count`` is a compile-time constant: the fp32 rounding of
     Python's float64 ``1 / c`` equals the correctly rounded fp32 ``1 / c`` for every c <= 4096
-    (checked in the tests), so it equals ATen's ``div.rn`` result."""
+    (checked in the tests), so it equals ATen's ``div.rn`` result. FULL: every thread has
+    vector j (D % 512 == 0), so no masks."""
     t = tl.arange(0, 128)
     vec = j * 128 + t
     valid = vec < n_vec
     offs = (vec * 4)[:, None] + tl.arange(0, 4)[None, :]
-    tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    if FULL:
+        tile = tl.load(x_ptr + row_start + offs).to(tl.float32)
+    else:
+        tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
     even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
     v0, v2 = tl.split(even)
     v1, v3 = tl.split(odd)
@@ -150,16 +173,23 @@ def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.co
             v = v2
         else:
             v = v3
-        delta = add_rn(v, -mean)
+        delta = sub_rn(v, mean)
         if CONST_RCP:
             rcp = 1.0 / (j * 4 + i + 1)
         else:
             rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
         new_mean = tl.fma(delta, rcp, mean)
-        new_m2 = tl.fma(delta, add_rn(v, -new_mean), m2)
-        mean = tl.where(valid, new_mean, mean)
-        m2 = tl.where(valid, new_m2, m2)
-    cnt = tl.where(valid, base + 4.0, cnt)
+        new_m2 = tl.fma(delta, sub_rn(v, new_mean), m2)
+        if FULL:
+            mean = new_mean
+            m2 = new_m2
+        else:
+            mean = tl.where(valid, new_mean, mean)
+            m2 = tl.where(valid, new_m2, m2)
+    if FULL:
+        cnt = tl.zeros_like(cnt) + (base + 4.0)
+    else:
+        cnt = tl.where(valid, base + 4.0, cnt)
     return mean, m2, cnt
 
 
@@ -167,6 +197,7 @@ def _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.co
 def _row_stats(
     x_ptr, row_start, width, eps,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
 
@@ -179,10 +210,10 @@ def _row_stats(
     cnt = tl.zeros((128,), tl.float32)
     if N_ITER > 0:
         for j in tl.static_range(N_ITER):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, not RCP_APPROX)
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, not RCP_APPROX, FULL)
     else:
         for j in range(0, tl.cdiv(n_vec, 128)):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False)
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False, FULL)
     # warp trees (offsets 16..1 inside each warp of 32 threads), then across warps: thread 0
     # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
     t = tl.arange(0, 128)
@@ -203,7 +234,7 @@ def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.cons
     weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``.
     The bias-only form is the order model's and did NOT match eager on the H200 probe: the op
     sends that variant to eager."""
-    d = add_rn(x, -mean)
+    d = sub_rn(x, mean)
     if HAS_WEIGHT:
         t = mul_rn(rstd, d)
         if HAS_BIAS:
@@ -254,7 +285,7 @@ def layer_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
-    N_ITER: tl.constexpr, N_OUT: tl.constexpr, BLOCK: tl.constexpr,
+    N_ITER: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
     path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
@@ -263,11 +294,12 @@ def layer_norm_kernel(
     Accepts bf16, fp16, fp32 with x, weight, bias, scale, shift and out of one dtype; operands
     are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
     arrives as fp32. N_ITER / N_OUT: trip counts of the statistics and output loops when they
-    are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops.
+    are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops; FULL: D % 512 == 0 (every
+    thread has a vector in every iteration).
     """
     row = tl.program_id(0)
     x_start = row_offsets(row, inner, x_so, x_si)
-    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER)
+    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER, FULL)
     o_start = row_offsets(row, inner, o_so, o_si)
     sc_start = row_offsets(row, inner, sc_so, sc_si)  # unused without MODULATE
     sh_start = row_offsets(row, inner, sh_so, sh_si)
@@ -308,6 +340,6 @@ def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, 
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
         MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
-        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=width % (VEC * THREADS) == 0, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out

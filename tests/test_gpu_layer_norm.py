@@ -16,6 +16,7 @@ from exactdit.ops.layer_norm import LAYER_NORM, LAYER_NORM_MODULATE
 from tests.helpers import assert_bits_equal
 
 pytestmark = pytest.mark.gpu
+# Each (dtype, width, affine, modulation) is its own compilation: the case lists are kept short.
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ROWS = [1, 2, 17, 255, 4224, 8448]
@@ -46,13 +47,13 @@ def _cases(n, seed):
     rng = random.Random(seed)
     for i in range(n):
         rows = ROWS[i % len(ROWS)]
-        D = rng.choice(WIDTHS)
+        D = WIDTHS[i % len(WIDTHS)]  # every width at least twice, with varying row counts
         if rows >= 4224 and D > 4096:
             rows = 255  # keeps the run short; the full-size rows are covered at D = 4096 below
         yield rows, D, rng.choice(DTYPES), rng.choice(AFFINE), rng.choice(["rows", "sbd_as_bsd", "row_slice"])
 
 
-@pytest.mark.parametrize("case", list(_cases(60, 0)), ids=str)
+@pytest.mark.parametrize("case", list(_cases(36, 0)), ids=str)
 def test_layer_norm_matches_eager(case):
     rows, D, dtype, affine, layout = case
     g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
@@ -68,9 +69,9 @@ def test_layer_norm_matches_eager(case):
 def test_layer_norm_modulate_matches_eager(dtype, upcast):
     g = torch.Generator(device="cuda").manual_seed(3 + int(upcast))
     for (rows, D), affine, (sk, with_shift) in zip(
-        [(17, 1536), (255, 3072), (4224, 4096), (2, 6144), (1, 1000)],
-        ["none", "both", "none", "weight", "both"],
-        [("inner", True), ("vec", True), ("inner", True), ("full", False), ("vec", False)],
+        [(4224, 4096), (255, 3072), (17, 1000)],
+        ["none", "both", "weight"],
+        [("inner", True), ("vec", True), ("full", False)],
     ):
         x = _x(rows, D, dtype, g, "sbd_as_bsd" if rows % 2 == 0 else "rows")
         w, b = _params(affine, D, dtype, g)

@@ -121,14 +121,21 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
 
 
 @triton.jit
-def _shuffle_down(mean, m2, cnt, t, OFFSET: tl.constexpr, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+def _shuffle_down(
+    mean, m2, cnt, t, OFFSET: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, SAME_COUNT: tl.constexpr,
+):
     """One tree step over the 128 thread states: thread t keeps ``combine(own=t, other=t +
     OFFSET)``. Only threads whose partner is meaningful feed the final result (as with
-    ATen's shuffle-down, lanes >= offset compute values nobody reads again)."""
+    ATen's shuffle-down, lanes >= offset compute values nobody reads again). SAME_COUNT: every
+    state that matters has the same count (D % 512 == 0), so the partner's count is known."""
     src = tl.minimum(t + OFFSET, 127)
     am = tl.gather(mean, src, 0)
     as_ = tl.gather(m2, src, 0)
-    ac = tl.gather(cnt, src, 0)
+    if SAME_COUNT:
+        ac = cnt
+    else:
+        ac = tl.gather(cnt, src, 0)
     return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
 
 
@@ -218,9 +225,9 @@ def _row_stats(
     # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
     t = tl.arange(0, 128)
     for k in tl.static_range(5):
-        mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 64, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 32, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+        mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 64, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 32, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
     mean = _thread0(mean, t)
     m2 = _thread0(m2, t)
     var = div_rn(m2, tl.full((), width, tl.float32))

@@ -9,7 +9,8 @@ One program per row, 4 warps. The program reproduces ATen's 128-thread block exa
   order; the program holds the 128 threads' states as [128] tensors;
 * the states are combined by the warp shuffle-down tree (offsets 16..1 inside each warp) and
   then across warps ``(w0 + w2) + (w1 + w3)``, with ATen's count-weighted combine; lanes
-  without data take part with count 0;
+  without data take part with count 0. Each step is a ``tl.gather`` of the partner's state
+  (along a warp-local axis for the lane steps, so it lowers to shuffles);
 * ``var = m2 / N`` (``div.rn``), ``rstd = rsqrt.approx(var + eps)``, and the output expression
   of the affine variant, rounded once to the dtype.
 
@@ -129,22 +130,23 @@ def _shuffle_down(
     OFFSET)``. Only threads whose partner is meaningful feed the final result (as with
     ATen's shuffle-down, lanes >= offset compute values nobody reads again). SAME_COUNT: every
     state that matters has the same count (D % 512 == 0), so the partner's count is known."""
-    src = tl.minimum(t + OFFSET, 127)
-    am = tl.gather(mean, src, 0)
-    as_ = tl.gather(m2, src, 0)
+    AXIS: tl.constexpr = len(t.shape) - 1
+    src = tl.minimum(t + OFFSET, t.shape[AXIS] - 1)
+    am = tl.gather(mean, src, AXIS)
+    as_ = tl.gather(m2, src, AXIS)
     if SAME_COUNT:
         ac = cnt
     else:
-        ac = tl.gather(cnt, src, 0)
+        ac = tl.gather(cnt, src, AXIS)
     return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
 
 
 @triton.jit
-def _thread0(v, t):
-    """Thread 0's value of a [128] fp32 tensor, bit for bit (an integer sum of one nonzero
-    bit pattern, so no sign of zero or NaN payload is lost)."""
-    bits = tl.where(t == 0, v.to(tl.int32, bitcast=True), 0)
-    return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
+def _lane0(v, lane):
+    """Element 0 along the last axis of an fp32 tensor, bit for bit (an integer sum of one
+    nonzero bit pattern, so no sign of zero or NaN payload is lost)."""
+    bits = tl.where(lane == 0, v.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, axis=len(v.shape) - 1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -223,13 +225,22 @@ def _row_stats(
             mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False, FULL)
     # warp trees (offsets 16..1 inside each warp of 32 threads), then across warps: thread 0
     # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
-    t = tl.arange(0, 128)
+    # ([warp, lane] view: the lane steps gather along a warp-local axis, i.e. by shuffles)
+    lane = tl.broadcast_to(tl.arange(0, 32)[None, :], (4, 32))
+    mean = tl.reshape(mean, (4, 32))
+    m2 = tl.reshape(m2, (4, 32))
+    cnt = tl.reshape(cnt, (4, 32))
     for k in tl.static_range(5):
-        mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 64, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, t, 32, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
-    mean = _thread0(mean, t)
-    m2 = _thread0(m2, t)
+        mean, m2, cnt = _shuffle_down(mean, m2, cnt, lane, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    # lane 0 of each warp, as a [4] vector over warps
+    mean = _lane0(mean, lane)
+    m2 = _lane0(m2, lane)
+    cnt = _lane0(cnt, lane)
+    w = tl.arange(0, 4)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean = _lane0(mean, w)
+    m2 = _lane0(m2, w)
     var = div_rn(m2, tl.full((), width, tl.float32))
     rstd = rsqrt_approx(add_rn(var, eps))
     return mean, rstd

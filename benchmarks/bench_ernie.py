@@ -1,5 +1,6 @@
-"""Benchmark one ERNIE-Image transformer forward (full 8B config, bf16, random weights) at
-1024x1024, batch 1 and 2 (CFG, padded text):
+"""Benchmark one ERNIE-Image transformer forward (full 8B config, bf16, seeded random weights from
+exactdit.harness.tiny.build_transformer) at 1024x1024, batch 1 and 2 (CFG, padded text;
+exactdit.harness.sampling.forward_inputs):
 
 - eager: diffusers unpatched;
 - exactdit: ``exactdit.patch`` (EXACTDIT_TRUST not set: one warm-up forward verifies each new
@@ -13,6 +14,10 @@
 Also a torch.profiler breakdown of the patched forward's non-GEMM, non-attention GPU time (top
 kernels). CUDA-event medians after warm-up. Run from the repository root on a CUDA GPU:
 ``python benchmarks/bench_ernie.py``; prints Markdown and writes ``bench_ernie.json`` to $OUT.
+
+ERNIE_BENCH_CONFIG (full/small/tiny) and ERNIE_BENCH_SIZE (HxW pixels) override the shape. Without a
+CUDA GPU it is a smoke run of the script (default tiny at 256x256, wall-clock medians, no kernel
+breakdown), not a benchmark.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import environment, table, write_json  # noqa: E402
-from ernie_models import build, forward, inputs  # noqa: E402
-
 import exactdit  # noqa: E402
+from exactdit.harness.sampling import forward, forward_inputs, latent_hw_for, synchronize  # noqa: E402
+from exactdit.harness.tiny import build_transformer  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIG = os.environ.get("ERNIE_BENCH_CONFIG", "full" if DEVICE == "cuda" else "tiny")
+HEIGHT, WIDTH = (int(v) for v in os.environ.get("ERNIE_BENCH_SIZE", "1024x1024" if DEVICE == "cuda" else
+                                                 "256x256").lower().split("x"))
 T0 = time.time()
 BUDGET_S = float(os.environ.get("ERNIE_BENCH_BUDGET_S", 240))
 CASES = {1: [128], 2: [128, 77]}  # batch -> text lengths
@@ -50,11 +59,21 @@ def kind(kernel: str) -> str:
     return "other"
 
 
+def inputs(model, text_lens):
+    return forward_inputs(model, latent_hw=latent_hw_for(HEIGHT, WIDTH), text_lens=text_lens, device=DEVICE)
+
+
 def median_ms(fn, warmup=2, reps=7) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize(DEVICE)
     times = []
+    if DEVICE != "cuda":  # CPU smoke run: wall clock
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -66,7 +85,9 @@ def median_ms(fn, warmup=2, reps=7) -> float:
 
 
 def kernel_times(fn) -> dict[str, list[float]]:
-    """GPU kernel durations (ms) of one call of ``fn``, by kernel name."""
+    """GPU kernel durations (ms) of one call of ``fn``, by kernel name (none without a GPU)."""
+    if DEVICE != "cuda":
+        return {}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -109,29 +130,32 @@ def uncompile(model):
 
 
 def main():
-    model = build("full")
-    print(f"[{time.time() - T0:.0f}s] built full config", flush=True)
+    model = build_transformer(CONFIG, seed=0, dtype=torch.bfloat16, device=DEVICE)
+    print(f"[{time.time() - T0:.0f}s] built {CONFIG} config", flush=True)
+    lh, lw = latent_hw_for(HEIGHT, WIDTH)
     results, breakdowns, refs = [], {}, {}
     for B, lens in CASES.items():
-        kw = inputs("full", 1024, 1024, lens)
+        kw = inputs(model, lens)
         run = lambda: forward(model, kw)  # noqa: E731
-        row = {"B": B, "S": 64 * 64 + max(lens)}
+        row = {"B": B, "S": lh * lw + max(lens)}
 
         exactdit.unpatch(model)
         ref = refs[B] = run()
         row["eager_ms"] = median_ms(run)
         eager_kernels = kernel_times(run)
-        parts = split(eager_kernels)
-        row["gemm_ms"], row["attention_ms"] = parts.get("gemm", 0.0), parts.get("attention", 0.0)
-        row["floor_ms"] = row["gemm_ms"] + row["attention_ms"]
-        row["eager_other_ms"] = parts.get("other", 0.0)
+        if eager_kernels:
+            parts = split(eager_kernels)
+            row["gemm_ms"], row["attention_ms"] = parts.get("gemm", 0.0), parts.get("attention", 0.0)
+            row["floor_ms"] = row["gemm_ms"] + row["attention_ms"]
+            row["eager_other_ms"] = parts.get("other", 0.0)
 
         exactdit.patch(model)
         exactdit.reset_report()
         row["exactdit_equal"] = bool(torch.equal(run(), ref))  # first call verifies the new signatures
         row["exactdit_ms"] = median_ms(run)
         patched_kernels = kernel_times(run)
-        row["exactdit_other_ms"] = split(patched_kernels).get("other", 0.0)
+        if patched_kernels:
+            row["exactdit_other_ms"] = split(patched_kernels).get("other", 0.0)
         breakdowns[B] = top_other(patched_kernels)
         row["report"] = {k: dict(v) for k, v in exactdit.report(show=False).items()}
         print(f"[{time.time() - T0:.0f}s] B={B} eager {row['eager_ms']:.1f} ms exactdit {row['exactdit_ms']:.1f} ms "
@@ -149,11 +173,11 @@ def main():
             (exactdit.patch if patched else exactdit.unpatch)(model)
             model.compile_repeated_blocks(fullgraph=True)
             for row in results:
-                kw = inputs("full", 1024, 1024, CASES[row["B"]])
+                kw = inputs(model, CASES[row["B"]])
                 run = lambda: forward(model, kw)  # noqa: E731
                 t = time.time()
                 out = run()
-                torch.cuda.synchronize()
+                synchronize(DEVICE)
                 row[f"{label}_first_call_s"] = time.time() - t
                 row[f"{label}_equal"] = bool(torch.equal(out, refs[row["B"]]))
                 row[f"{label}_ms"] = median_ms(run)
@@ -173,12 +197,17 @@ def main():
     for r in results:
         for c in cols:
             r.setdefault(c, "n/a")
-    print(f"\nERNIE-Image full config, 1024x1024, bf16, {environment()['gpu']}; ms per forward (CUDA-event median)\n")
+    env = environment() if DEVICE == "cuda" else {"gpu": "no GPU (cpu smoke run)"}
+    print(f"\nERNIE-Image {CONFIG} config, {HEIGHT}x{WIDTH}, bf16, {env['gpu']}; ms per forward "
+          f"({'CUDA-event' if DEVICE == 'cuda' else 'wall-clock'} median)\n")
     print(table(results, cols))
     for B, rows in breakdowns.items():
+        if not rows:
+            continue
         print(f"\nexactdit forward B={B}: top non-GEMM, non-attention kernels (one forward)\n")
         print(table(rows, ["kernel", "launches", "total_ms"]))
-    path = write_json("bench_ernie.json", {"environment": environment(), "results": results,
+    path = write_json("bench_ernie.json", {"environment": env, "config": CONFIG, "size": f"{HEIGHT}x{WIDTH}",
+                                           "results": results,
                                            "other_kernels": breakdowns, "seconds": time.time() - T0})
     print(f"\nwrote {path} ({time.time() - T0:.0f} s)")
 

@@ -1,7 +1,8 @@
 """GPU proof: exactdit.patch leaves ERNIE-Image's output bit-identical.
 
-For the full-size transformer (hidden 4096, 36 layers, bf16, random weights) and the small and
-tiny configs: one forward at 1024x1024 and 848x1264, batch 1 and 2 (CFG, padded text), unpatched
+For the full-size transformer (hidden 4096, 36 layers, bf16, seeded random weights) and the small and
+tiny configs (configs, weights, inputs and the sampling loop are exactdit.harness's: tiny.build_transformer,
+sampling.forward_inputs / make_inputs / sample): one forward at 1024x1024 and 848x1264, batch 1 and 2 (CFG, padded text), unpatched
 vs patched (first patched call verifies new signatures, the second runs verified kernels with no
 checks), a CUDA-graph capture of the verified patched forward, and the pipeline's sampling loop
 (FlowMatchEulerDiscreteScheduler, CFG) for 8 and 50 steps with md5 of the final latents.
@@ -9,6 +10,9 @@ checks), a CUDA-graph capture of the verified patched forward, and the pipeline'
 Run from the repository root on a CUDA GPU: ``python benchmarks/ernie_equality.py``. Prints
 exactdit.report() and a summary table; writes ``ernie_equality.json`` to $OUT. A time guard skips
 the longest optional runs past ~200 s (they are listed as skipped).
+
+Without a CUDA GPU it runs a short CPU smoke version (tiny config, small images, 3 steps); with
+TRITON_INTERPRET=1 the fused kernels then run in Triton's interpreter, else everything falls back to eager.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import environment, table, write_json  # noqa: E402
-from ernie_models import DEVICE, build, forward, inputs, md5, sample  # noqa: E402
-
 import exactdit  # noqa: E402
 from exactdit.gate import first_difference  # noqa: E402
+from exactdit.harness.metrics import md5_tensor as md5  # noqa: E402
+from exactdit.harness.sampling import forward, forward_inputs, latent_hw_for, make_inputs, sample, synchronize  # noqa: E402
+from exactdit.harness.tiny import build_transformer  # noqa: E402
+
+#: CPU only for a smoke run of this script (tiny config); the proof is for the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SAMPLE_TEXT_LENS = (96, 41)  # prompt, negative prompt (CFG batch of 2, the shorter one padded)
 
 T0 = time.time()
 BUDGET_S = float(os.environ.get("ERNIE_EQ_BUDGET_S", 200))
@@ -44,16 +53,24 @@ def elapsed() -> float:
     return time.time() - T0
 
 
-def sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+def build(name):
+    return build_transformer(name, seed=0, dtype=torch.bfloat16, device=DEVICE)
+
+
+def inputs(model, height, width, text_lens):
+    return forward_inputs(model, latent_hw=latent_hw_for(height, width), text_lens=text_lens, device=DEVICE)
+
+
+def tokens(height, width, text_lens) -> int:
+    h, w = latent_hw_for(height, width)
+    return h * w + max(text_lens)
 
 
 def timed(fn):
-    sync()
+    synchronize(DEVICE)
     t = time.perf_counter()
     out = fn()
-    sync()
+    synchronize(DEVICE)
     return out, (time.perf_counter() - t) * 1e3
 
 
@@ -66,8 +83,8 @@ def compare(out, ref) -> tuple[bool, str]:
 
 def forward_checks(name, model, rows):
     for label, h, w, lens in FORWARD_CASES:
-        kw = inputs(name, h, w, lens)
-        S = (h // 16) * (w // 16) + max(lens)
+        kw = inputs(model, h, w, lens)
+        S = tokens(h, w, lens)
         exactdit.unpatch(model)
         ref, eager_ms = timed(lambda: forward(model, kw))
         exactdit.patch(model)
@@ -86,12 +103,13 @@ def forward_checks(name, model, rows):
 
 def cuda_graph_check(name, model, rows):
     """Capture the patched forward (signatures verified above) in a CUDA graph and replay it."""
-    kw = inputs(name, 1024, 1024, [128, 37])
+    kw = inputs(model, 1024, 1024, [128, 37])
     exactdit.unpatch(model)
     ref = forward(model, kw)
     exactdit.patch(model)
     forward(model, kw)  # verified already; warm
-    row = {"config": name, "run": "cuda graph 1024x1024", "B": 2, "S": 64 * 64 + 128, "text_lens": "[128, 37]"}
+    row = {"config": name, "run": "cuda graph 1024x1024", "B": 2, "S": tokens(1024, 1024, [128, 37]),
+           "text_lens": "[128, 37]"}
     try:
         static = {k: v.clone() for k, v in kw.items()}
         s = torch.cuda.Stream()
@@ -118,14 +136,17 @@ def cuda_graph_check(name, model, rows):
 
 
 def sampling_check(name, model, rows, height, width, steps):
+    text_len, neg_text_len = SAMPLE_TEXT_LENS
+    kw = make_inputs(model, latent_hw=latent_hw_for(height, width), text_len=text_len, neg_text_len=neg_text_len,
+                     seed=0, guidance_scale=4.0, device=DEVICE)
     exactdit.unpatch(model)
-    ref, eager_ms = timed(lambda: sample(model, name, height, width, steps))
+    ref, eager_ms = timed(lambda: sample(model, kw, steps).latents)
     exactdit.patch(model)
-    out, patched_ms = timed(lambda: sample(model, name, height, width, steps))
+    out, patched_ms = timed(lambda: sample(model, kw, steps).latents)
     ok, why = compare(out, ref)
     rows.append({
-        "config": name, "run": f"sample {height}x{width} {steps} steps", "B": 2, "S": (height // 16) * (width // 16) + 96,
-        "text_lens": "[96, 41]", "eager_ms": eager_ms, "patched_ms": patched_ms, "equal": ok, "detail": why,
+        "config": name, "run": f"sample {height}x{width} {steps} steps", "B": 2,
+        "S": tokens(height, width, SAMPLE_TEXT_LENS), "text_lens": str(kw.text_lens.tolist()), "eager_ms": eager_ms, "patched_ms": patched_ms, "equal": ok, "detail": why,
         "md5_eager": md5(ref), "md5_patched": md5(out),
     })
     print(f"[{elapsed():6.1f}s] {name} sample {height}x{width} {steps} steps: md5 eager {md5(ref)} patched {md5(out)} "

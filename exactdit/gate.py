@@ -147,6 +147,12 @@ def backend_support(tensors: list[torch.Tensor]) -> Reason | None:
 
 
 
+def count_eager(name: str, reason: Reason) -> None:
+    """Record that a site named ``name`` ran eager code for ``reason`` (for model patches whose
+    whole forward steps aside, e.g. when autograd is recording)."""
+    _count_eager(_op_stats(name), reason)
+
+
 def _count_eager(st: _OpStats, reason: Reason) -> None:
     with _lock:
         st.eager += 1
@@ -172,6 +178,8 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     reason, sig = plan
     if _flag("EXACTDIT_DISABLE"):
         reason = "disabled by EXACTDIT_DISABLE"
+    elif torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        reason = "autograd is recording (fused kernels have no backward)"
     if reason is not None:
         _count_eager(st, reason)
         return op.reference(*args)

@@ -107,6 +107,11 @@ if INTERPRET:
         return a + b
 
     @triton.jit
+    def sub_rn(a, b):
+        """fp32 ``a - b`` rounded once; never fused with a neighbouring multiply."""
+        return a - b
+
+    @triton.jit
     def rsqrt_approx(x):
         """Interpreter stand-in for ``rsqrt.approx.f32``: correctly rounded ``1 / sqrt(x)``."""
         return tl.div_rn(1.0, tl.sqrt_rn(x))
@@ -126,6 +131,13 @@ else:
         """fp32 ``a + b`` rounded once; never fused with a neighbouring multiply."""
         return tl.inline_asm_elementwise(
             "add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def sub_rn(a, b):
+        """fp32 ``a - b`` rounded once; never fused with a neighbouring multiply."""
+        return tl.inline_asm_elementwise(
+            "sub.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
         )
 
     @triton.jit

@@ -198,3 +198,17 @@ def test_cpu_without_interpreter_runs_eager():
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "cpu device (fused kernels need a CUDA GPU)" in out.stdout
+
+
+def test_inputs_that_require_grad_run_eager():
+    calls = []
+    op = _op("autograd", wrong_after=10, calls=calls)
+    r, u, g = _args(dtype=torch.float32)
+    u.requires_grad_(True)
+    out = _run(op, r, u, g)
+    out.sum().backward()  # eager result keeps its graph
+    assert u.grad is not None and not calls
+    with torch.no_grad():
+        _run(op, r, u, g)
+    assert calls
+    assert exactdit.report(show=False)["autograd"]["eager_reasons"] == {"autograd is recording (fused kernels have no backward)": 1}

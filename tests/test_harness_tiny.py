@@ -61,3 +61,35 @@ def test_sampling_is_deterministic_and_non_trivial():
     assert sample(model, nocfg, 2).latents.shape == inputs.latents.shape
     with pytest.raises(ValueError):
         sample(model, inputs, 0)
+
+
+def test_latent_hw_for_pixel_sizes():
+    from exactdit.harness.sampling import latent_hw_for
+
+    assert latent_hw_for(1024, 1024) == (64, 64)
+    assert latent_hw_for(848, 1264) == (53, 79)
+    for bad in ((1000, 1024), (0, 16), (16, -16)):
+        with pytest.raises(ValueError, match="multiples of 16"):
+            latent_hw_for(*bad)
+
+
+def test_forward_inputs_pad_text_and_are_seeded():
+    from exactdit.harness.sampling import forward, forward_inputs
+
+    model = build_transformer("tiny", seed=0, dtype=torch.bfloat16)
+    cfg = model.config
+    kw = forward_inputs(model, latent_hw=(5, 3), text_lens=[9, 4], seed=2, sigma=0.5)
+    assert kw["hidden_states"].shape == (2, cfg.in_channels, 5, 3)
+    assert kw["hidden_states"].dtype == torch.bfloat16
+    assert kw["text_bth"].shape == (2, 9, cfg.text_in_dim) and kw["text_bth"].dtype == torch.bfloat16
+    assert kw["text_lens"].tolist() == [9, 4]
+    assert kw["text_bth"][1, 4:].abs().sum() == 0 and kw["text_bth"][1, :4].abs().sum() > 0
+    assert kw["timestep"].tolist() == [500.0, 500.0]
+    again = forward_inputs(model, latent_hw=(5, 3), text_lens=[9, 4], seed=2, sigma=0.5)
+    assert all(torch.equal(kw[k], again[k]) for k in kw)
+    other = forward_inputs(model, latent_hw=(5, 3), text_lens=[9, 4], seed=3)
+    assert not torch.equal(kw["hidden_states"], other["hidden_states"])
+    out = forward(model, kw)
+    assert out.shape == kw["hidden_states"].shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="text_lens"):
+        forward_inputs(model, latent_hw=(2, 2), text_lens=[])

@@ -5,6 +5,10 @@ It mirrors what ``ErnieImagePipeline.__call__`` does between text encoding and V
 guidance by batching [uncond, cond] through one transformer call (text padded to the longest prompt,
 ``text_lens`` masking the padding), timesteps broadcast in the transformer's dtype, Euler steps.
 Text embeddings are synthetic (seeded Gaussian features standing in for the text encoder output).
+
+Also the inputs of a single transformer forward as the pipeline builds them for an image of a given
+pixel size (:func:`latent_hw_for`, :func:`forward_inputs`, :func:`forward`), for equality proofs and
+benchmarks. Only torch is imported here; diffusers is imported when a scheduler is made.
 """
 
 from __future__ import annotations
@@ -43,6 +47,56 @@ def pad_text(hiddens: list[torch.Tensor], dim: int, device, dtype) -> tuple[torc
     for i, h in enumerate(hiddens):
         out[i, : h.shape[0]] = h.to(dtype)
     return out.to(device), lens.to(device)
+
+
+#: ErnieImagePipeline's pixels per latent cell: Flux2 VAE scale factor 8, then 2x2 patchified latents
+#: (128 channels; the transformer's patch_size is 1). 1024x1024 pixels -> a 64x64 latent grid.
+PIXELS_PER_LATENT = 16
+
+
+def latent_hw_for(height: int, width: int) -> tuple[int, int]:
+    """The latent grid ``(height // 16, width // 16)`` of an image of ``height`` x ``width`` pixels."""
+    if height <= 0 or width <= 0 or height % PIXELS_PER_LATENT or width % PIXELS_PER_LATENT:
+        raise ValueError(f"image size {height}x{width} must be positive multiples of {PIXELS_PER_LATENT}")
+    return height // PIXELS_PER_LATENT, width // PIXELS_PER_LATENT
+
+
+def forward_inputs(
+    transformer,
+    *,
+    latent_hw: tuple[int, int],
+    text_lens: list[int] | tuple[int, ...],
+    seed: int = 0,
+    sigma: float = 0.7,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Keyword arguments of one transformer forward on ``len(text_lens)`` images, as the pipeline builds
+    them: seeded noise latents ``[B, C, h, w]``, synthetic text features padded with zeros to the longest
+    prompt (``text_lens`` masks the padding), timestep ``1000 * sigma`` in the transformer's dtype.
+    Generated on CPU, so device-independent."""
+    cfg = transformer.config
+    dtype = transformer.dtype
+    text_lens = [int(n) for n in text_lens]
+    if not text_lens or min(text_lens) < 1:
+        raise ValueError(f"text_lens must be a non-empty list of positive lengths, got {text_lens}")
+    gen = torch.Generator("cpu").manual_seed(int(seed))
+    h, w = latent_hw
+    b = len(text_lens)
+    latents = torch.randn((b, cfg.in_channels, h, w), generator=gen, dtype=torch.float32)
+    hiddens = [torch.randn((n, cfg.text_in_dim), generator=gen) for n in text_lens]
+    text_bth, lens = pad_text(hiddens, cfg.text_in_dim, device, dtype)
+    return dict(
+        hidden_states=latents.to(device=device, dtype=dtype),
+        timestep=torch.full((b,), 1000.0 * sigma, device=device, dtype=dtype),
+        text_bth=text_bth,
+        text_lens=lens,
+    )
+
+
+@torch.no_grad()
+def forward(transformer, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One transformer forward on :func:`forward_inputs`; returns the prediction tensor."""
+    return transformer(**inputs, return_dict=False)[0]
 
 
 def make_inputs(

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import elementwise_blocks, row_offsets, row_strides, rows_of
+from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, row_offsets, row_strides, rows_of
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, mul_rn, round_to, rounded
 
 
@@ -108,7 +108,7 @@ def _launch(kernel, out: torch.Tensor, operands: list[torch.Tensor], **constexpr
     strides = [s for t in tensors for s in row_strides(t, shape)]
     kernel[grid](
         *tensors, n_rows, inner, width, *strides,
-        **constexprs, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **LAUNCH_OPTIONS,
+        **constexprs, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=ELEMENTWISE_TILE["num_warps"], **LAUNCH_OPTIONS,
     )
     return out
 

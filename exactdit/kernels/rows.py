@@ -40,11 +40,17 @@ def rows_of(shape: tuple) -> tuple[int, int, int]:
     return outer * inner, inner, width
 
 
+#: Tile of the elementwise kernels: (elements per program, widest tile, warps). Tuned on an H200
+#: with benchmarks/tune_elementwise.py (see BENCHMARKS.md).
+ELEMENTWISE_TILE = {"elements": 4096, "max_width": 1024, "num_warps": 4}
+
+
 def elementwise_blocks(n_rows: int, width: int) -> tuple[int, int, tuple[int, int]]:
-    """(BLOCK_R, BLOCK_D, grid) for a memory-bound elementwise kernel: tiles of ~4096 elements,
-    at most 1024 wide so a non-power-of-two width wastes little of the last tile."""
-    block_d = min(1024, next_power_of_2(width))
-    block_r = min(max(1, 4096 // block_d), next_power_of_2(n_rows))
+    """(BLOCK_R, BLOCK_D, grid) for a memory-bound elementwise kernel: tiles of a fixed number of
+    elements, at most ``max_width`` wide so a non-power-of-two width wastes little of the last
+    tile."""
+    block_d = min(ELEMENTWISE_TILE["max_width"], next_power_of_2(width))
+    block_r = min(max(1, ELEMENTWISE_TILE["elements"] // block_d), next_power_of_2(n_rows))
     return block_r, block_d, (-(-n_rows // block_r), -(-width // block_d))
 
 

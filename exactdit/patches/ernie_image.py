@@ -95,7 +95,7 @@ def _dtypes_differ(x: torch.Tensor, *weights) -> bool:
 def _count_eager(site: str, reason: str) -> None:
     """Show a call that ran diffusers' code in ``exactdit.report()`` (row ``ernie_image.<site>``)."""
     if not torch.compiler.is_compiling():
-        gate._count_eager(gate._op_stats(f"ernie_image.{site}"), reason)
+        gate.count_eager(f"ernie_image.{site}", reason)
 
 
 def _original(module):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the H200 runs, in stages, logs under $OUT (the device tool brings them back).
+#   bash benchmarks/run_on_device.sh tests     GPU test suite (torch.equal vs CUDA eager)
+#   bash benchmarks/run_on_device.sh ops       per-op benchmarks
+#   bash benchmarks/run_on_device.sh ernie     full-model equality + model benchmark
+# diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
+set -u
+OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for stage in "$@"; do
+  case "$stage" in
+    tests)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -x -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_elementwise.py tests/test_numerics.py 2>&1 | tee "$OUT/kernel_tests_on_gpu.log" | tail -3 ;;
+    ops)
+      for b in benchmarks/bench_elementwise.py benchmarks/bench_rms_norm.py benchmarks/bench_layer_norm.py benchmarks/bench_rope_geglu.py; do
+        [ -f "$b" ] && timeout 200 python3 "$b" 2>&1 | tee -a "$OUT/bench_ops.log" | tail -14
+      done ;;
+    ernie)
+      timeout 300 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -30
+      timeout 280 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -30 ;;
+  esac
+done

@@ -1,0 +1,345 @@
+"""``F.layer_norm`` over the last dim, alone or followed by AdaLN modulation, bit-identical to
+ATen's ``vectorized_layer_norm_kernel`` (torch 2.11, CUDA).
+
+One program per row, 4 warps. The program reproduces ATen's 128-thread block exactly as
+:mod:`exactdit.aten_norms` models it (``layer_norm_order_model``, vectorised path):
+
+* "thread" ``t`` (0..127, warp ``t // 32``, lane ``t % 32``) owns the 4-element vectors
+  ``t, t + 128, t + 256, ...`` of the row and runs a Welford update over their elements in
+  order; the program holds the 128 threads' states as [128] tensors;
+* the states are combined by the warp shuffle-down tree (offsets 16..1 inside each warp) and
+  then across warps ``(w0 + w2) + (w1 + w3)``, with ATen's count-weighted combine; lanes
+  without data take part with count 0. Each step is a ``tl.gather`` of the partner's state
+  (along a warp-local axis for the lane steps, so it lowers to shuffles);
+* ``var = m2 / N`` (``div.rn``), ``rstd = rsqrt.approx(var + eps)``, and the output expression
+  of the affine variant, rounded once to the dtype.
+
+The row is read twice (statistics, then output); the second read mostly hits L2.
+
+FMA placement: an FMA that eager's compiled code has is an explicit ``tl.fma``; every other
+multiply/add goes through ``mul_rn``/``add_rn`` so nothing else is contracted. The placements
+the GPU probe settles are constexpr switches (``MEAN_FMA``, ``SIGMA_FMA``, ``RCP_APPROX``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from exactdit.kernels.elementwise import modulate_values
+from exactdit.kernels.rows import next_power_of_2, row_offsets, row_strides, rows_of
+from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rounded, rsqrt_approx, sub_rn
+
+#: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
+MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2
+_MEAN_FMA = {"none": MEAN_FMA_NONE, "first": MEAN_FMA_FIRST, "second": MEAN_FMA_SECOND}
+
+#: The contraction choices in use (same names as ``layer_norm_order_model``'s keyword
+#: arguments). The H200 probe (torch 2.11) confirmed mean_fma="first", sigma_fma=True and a
+#: correctly rounded ``1 / count``: mean, rstd and output matched eager on every row for bf16
+#: and fp32, widths 64..6144.
+CHOICES = {"mean_fma": "first", "sigma_fma": True, "rcp_approx": False}
+
+THREADS = 128  # ATen's block: 4 warps of 32 threads
+VEC = 4  # elements per vector load, for every dtype
+#: widest row (in 512-element iterations per thread) whose loops are unrolled: D <= 8192
+MAX_UNROLL = 16
+
+
+if INTERPRET:
+
+    @triton.jit
+    def rcp_approx(x):
+        """Interpreter stand-in for ``rcp.approx.f32``: the correctly rounded ``1 / x``."""
+        return tl.div_rn(1.0, x)
+
+else:
+
+    @triton.jit
+    def rcp_approx(x):
+        """``rcp.approx.ftz.f32``: nvcc's fast reciprocal (only used if the probe finds ATen's
+        ``1.f / count`` compiled to it)."""
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _reciprocal(x, RCP_APPROX: tl.constexpr):
+    """ATen's ``1.f / count``: correctly rounded unless the probe says otherwise."""
+    if RCP_APPROX:
+        return rcp_approx(x)
+    else:
+        return div_rn(1.0, x)
+
+
+@triton.jit
+def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+    """ATen's ``cuWelfordCombine(dataB=(bm, bs, bc), dataA=(am, as_, ac))`` (B is the lane or
+    warp that keeps the result, A the one it receives):
+
+    delta = B.mean - A.mean; count = A.count + B.count; coef = 1 / count;
+    nA = A.count * coef; nB = B.count * coef; mean = nA * A.mean + nB * B.mean (FMA per
+    MEAN_FMA); m2 = fma((delta * delta) * A.count, nB, A.m2 + B.m2) (SIGMA_FMA); count 0 gives
+    mean = m2 = 0.
+    """
+    delta = sub_rn(bm, am)
+    count = add_rn(ac, bc)
+    pos = count > 0.0
+    coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
+    na = mul_rn(ac, coef)
+    nb = mul_rn(bc, coef)
+    if MEAN_FMA == 1:
+        mean = tl.fma(na, am, mul_rn(nb, bm))
+    elif MEAN_FMA == 2:
+        mean = tl.fma(nb, bm, mul_rn(na, am))
+    else:
+        mean = add_rn(mul_rn(na, am), mul_rn(nb, bm))
+    t = mul_rn(mul_rn(delta, delta), ac)
+    if SIGMA_FMA:
+        m2 = tl.fma(t, nb, add_rn(as_, bs))
+    else:
+        m2 = add_rn(add_rn(as_, bs), mul_rn(t, nb))
+    return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
+
+
+@triton.jit
+def _shuffle_down(
+    mean, m2, cnt, t, OFFSET: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, SAME_COUNT: tl.constexpr,
+):
+    """One tree step over the 128 thread states: thread t keeps ``combine(own=t, other=t +
+    OFFSET)``. Only threads whose partner is meaningful feed the final result (as with
+    ATen's shuffle-down, lanes >= offset compute values nobody reads again). SAME_COUNT: every
+    state that matters has the same count (D % 512 == 0), so the partner's count is known."""
+    AXIS: tl.constexpr = len(t.shape) - 1
+    src = tl.minimum(t + OFFSET, t.shape[AXIS] - 1)
+    am = tl.gather(mean, src, AXIS)
+    as_ = tl.gather(m2, src, AXIS)
+    if SAME_COUNT:
+        ac = cnt
+    else:
+        ac = tl.gather(cnt, src, AXIS)
+    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+
+
+@triton.jit
+def _lane0(v, lane):
+    """Element 0 along the last axis of an fp32 tensor, bit for bit (an integer sum of one
+    nonzero bit pattern, so no sign of zero or NaN payload is lost)."""
+    bits = tl.where(lane == 0, v.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, axis=len(v.shape) - 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _welford_vector(
+    x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr, FULL: tl.constexpr
+):
+    """Iteration ``j`` of every thread's loop: thread t folds the 4 elements of its vector
+    ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
+    delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
+    The count of an element is the same for every thread that has it (4 * j + i + 1). With
+    CONST_RCP (j a constexpr) ``1 / count`` is a compile-time constant: the fp32 rounding of
+    Python's float64 ``1 / c`` equals the correctly rounded fp32 ``1 / c`` for every c <= 4096
+    (checked in the tests), so it equals ATen's ``div.rn`` result. FULL: every thread has
+    vector j (D % 512 == 0), so no masks."""
+    t = tl.arange(0, 128)
+    vec = j * 128 + t
+    valid = vec < n_vec
+    offs = (vec * 4)[:, None] + tl.arange(0, 4)[None, :]
+    if FULL:
+        tile = tl.load(x_ptr + row_start + offs).to(tl.float32)
+    else:
+        tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    base = tl.full((), j * 4, tl.float32)  # exact: counts stay far below 2**24
+    for i in tl.static_range(4):
+        if i == 0:
+            v = v0
+        elif i == 1:
+            v = v1
+        elif i == 2:
+            v = v2
+        else:
+            v = v3
+        delta = sub_rn(v, mean)
+        if CONST_RCP:
+            rcp = 1.0 / (j * 4 + i + 1)
+        else:
+            rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
+        new_mean = tl.fma(delta, rcp, mean)
+        new_m2 = tl.fma(delta, sub_rn(v, new_mean), m2)
+        if FULL:
+            mean = new_mean
+            m2 = new_m2
+        else:
+            mean = tl.where(valid, new_mean, mean)
+            m2 = tl.where(valid, new_m2, m2)
+    if FULL:
+        cnt = tl.zeros_like(cnt) + (base + 4.0)
+    else:
+        cnt = tl.where(valid, base + 4.0, cnt)
+    return mean, m2, cnt
+
+
+@triton.jit
+def _row_stats(
+    x_ptr, row_start, width, eps,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
+
+    N_ITER > 0: the per-thread loop has exactly N_ITER iterations and is unrolled, so all of the
+    row's loads can be issued before the (serial) Welford arithmetic; 0: a runtime loop.
+    """
+    n_vec = width // 4
+    mean = tl.zeros((128,), tl.float32)
+    m2 = tl.zeros((128,), tl.float32)
+    cnt = tl.zeros((128,), tl.float32)
+    if N_ITER > 0:
+        for j in tl.static_range(N_ITER):
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, not RCP_APPROX, FULL)
+    else:
+        for j in range(0, tl.cdiv(n_vec, 128)):
+            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False, FULL)
+    # warp trees (offsets 16..1 inside each warp of 32 threads), then across warps: thread 0
+    # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
+    # ([warp, lane] view: the lane steps gather along a warp-local axis, i.e. by shuffles)
+    lane = tl.broadcast_to(tl.arange(0, 32)[None, :], (4, 32))
+    mean = tl.reshape(mean, (4, 32))
+    m2 = tl.reshape(m2, (4, 32))
+    cnt = tl.reshape(cnt, (4, 32))
+    for k in tl.static_range(5):
+        mean, m2, cnt = _shuffle_down(mean, m2, cnt, lane, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    # lane 0 of each warp, as a [4] vector over warps
+    mean = _lane0(mean, lane)
+    m2 = _lane0(m2, lane)
+    cnt = _lane0(cnt, lane)
+    w = tl.arange(0, 4)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean = _lane0(mean, w)
+    m2 = _lane0(m2, w)
+    var = div_rn(m2, tl.full((), width, tl.float32))
+    rstd = rsqrt_approx(add_rn(var, eps))
+    return mean, rstd
+
+
+@triton.jit
+def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """ATen's output expression in fp32 (before the cast), d = x - mean, t = rstd * d:
+    weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``.
+    The bias-only form is the order model's and did NOT match eager on the H200 probe: the op
+    sends that variant to eager."""
+    d = sub_rn(x, mean)
+    if HAS_WEIGHT:
+        t = mul_rn(rstd, d)
+        if HAS_BIAS:
+            y = tl.fma(w, t, b)
+        else:
+            y = mul_rn(w, t)
+    elif HAS_BIAS:
+        y = tl.fma(rstd, d, b)
+    else:
+        y = mul_rn(rstd, d)
+    return y
+
+
+@triton.jit
+def _write_chunk(
+    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+    c0, width, mean, rstd,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Columns [c0, c0 + BLOCK) of one row: normalise, optionally modulate, round, store."""
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    c = c0 + cols
+    mask = c < width
+    x = tl.load(x_ptr + x_start + c, mask=mask, other=0.0).to(tl.float32)
+    w = x
+    b = x
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+    if MODULATE:
+        scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0).to(tl.float32)
+        shift = scale
+        if HAS_SHIFT:
+            shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0).to(tl.float32)
+        y = modulate_values(rounded(y, DTYPE), scale, shift, DTYPE, HAS_SHIFT, UPCAST)
+    tl.store(out_ptr + o_start + c, round_to(y, DTYPE), mask=mask)
+
+
+@triton.jit
+def layer_norm_kernel(
+    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr,
+    inner, width, eps,
+    x_so, x_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+    N_ITER: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
+    path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
+    + AdaLN, Flux/SD3/Qwen-Image/Wan AdaLN-Zero) on the layer norm rounded to the dtype.
+
+    Accepts bf16, fp16, fp32 with x, weight, bias, scale, shift and out of one dtype; operands
+    are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
+    arrives as fp32. N_ITER / N_OUT: trip counts of the statistics and output loops when they
+    are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops; FULL: D % 512 == 0 (every
+    thread has a vector in every iteration).
+    """
+    row = tl.program_id(0)
+    x_start = row_offsets(row, inner, x_so, x_si)
+    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER, FULL)
+    o_start = row_offsets(row, inner, o_so, o_si)
+    sc_start = row_offsets(row, inner, sc_so, sc_si)  # unused without MODULATE
+    sh_start = row_offsets(row, inner, sh_so, sh_si)
+    if N_OUT > 0:  # unrolled: independent chunks whose loads can be issued together
+        for k in tl.static_range(N_OUT):
+            _write_chunk(
+                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+                k * BLOCK, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
+            )
+    else:
+        for c0 in range(0, width, BLOCK):
+            _write_chunk(
+                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
+                c0, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
+            )
+
+
+def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, choices=None):
+    """Write ``F.layer_norm(x, (D,), weight, bias, eps)`` into ``out`` (and, with ``scale``,
+    its modulation ``modulate(., scale, shift, upcast=upcast)``). ``x``: 1 to 3 dims, unit
+    stride along D, D % 4 == 0; ``choices`` overrides :data:`CHOICES` (probe / tests)."""
+    ch = dict(CHOICES, **(choices or {}))
+    shape = tuple(out.shape)
+    modulating = scale is not None
+    sc = scale if modulating else out
+    sh = shift if shift is not None else sc
+    n_rows, inner, width = rows_of(shape)
+    strides = [s for t in (x, sc, sh, out) for s in row_strides(t, shape)]
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # ATen adds eps as fp32
+    block = min(2048, max(512, next_power_of_2(width)))
+    n_iter = -(-(width // VEC) // THREADS)
+    n_out = -(-width // block)
+    unroll = n_iter <= MAX_UNROLL
+    layer_norm_kernel[(n_rows,)](
+        x, x if weight is None else weight, x if bias is None else bias, sc, sh, out,
+        inner, width, eps32, *strides,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
+        MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
+        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=width % (VEC * THREADS) == 0, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+    )
+    return out

@@ -45,7 +45,8 @@ def gelu_values(x, FORM: tl.constexpr):
         return tl.fma(h, e, h)
 
 
-@triton.jit
+# Row counts only feed index arithmetic: not specialising them saves compilations.
+@triton.jit(do_not_specialize=["n_rows", "inner"])
 def geglu_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_rows, inner, width,

@@ -171,43 +171,14 @@ def _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, s
 
 
 @triton.jit
-def norm_rope_kernel(
-    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr,
-    n_rows, d1, d2, x_s0, x_s1, x_s2, o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s,
-    x_delta, w_delta, o_delta, eps,
-    N: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, LANES: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SQUARE_FMA: tl.constexpr, HALVES: tl.constexpr,
-):
-    """ERNIE-Image's ``rope(F.rms_norm(x, (N,), w, eps), cos, sin)`` on BLOCK_R rows; either
-    half can be switched off (NORM, ROPE).
-
-    Grid axis 1 picks the tensor: program (i, 1) works on x, w, out shifted by x_delta,
-    w_delta, o_delta elements (k relative to q), so q and k (same shape and strides) take one
-    launch.
-    Inputs: [d0, d1, d2, N] strided views (unit stride along N) of one dtype (bf16, fp16,
-    fp32); weight [N] strided, same dtype; cos/sin tables of that dtype indexed per row
-    through (t_s0, t_s1, t_s2) (0 for broadcast dims), ROT = their width (even, <= N).
-    Norm: ATen's vectorized RMSNorm order (module docstring), output rounded once.
-    RoPE (non-interleaved rotate-half on the first ROT channels, the rest passed through):
-    ``round(round(y * cos) + round(rotate_half(y) * sin))``, as eager rounds each op.
-    HALVES: the fast path for full rotation of a power-of-two row of at most 512 (see
-    ``_norm_rope_halves``); otherwise the rotate-half partner is reloaded (scalar loads).
-    """
+def _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, starts, d1, d2,
+                       o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s, eps,
+                       N: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                       HAS_WEIGHT: tl.constexpr, LANES: tl.constexpr, ITERS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SQUARE_FMA: tl.constexpr):
+    """``norm_rope_kernel`` for any row: the whole row as one [BLOCK_R, BLOCK_N] tile, the
+    rotate-half partner reloaded (scalar loads; the row is in L1)."""
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-    which = tl.program_id(1).to(tl.int64)
-    x_ptr += which * x_delta
-    w_ptr += which * w_delta
-    out_ptr += which * o_delta
-
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < n_rows
-    starts = _row_starts(rows, d1, d2, x_s0, x_s1, x_s2)
-    if HALVES:
-        _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, starts, d1, d2,
-                          o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s, eps,
-                          N, NORM, HAS_WEIGHT, BLOCK_R, SQUARE_FMA)
-        return
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -249,6 +220,50 @@ def norm_rope_kernel(
 
     o_starts = _row_starts(rows, d1, d2, o_s0, o_s1, o_s2)
     tl.store(out_ptr + o_starts[:, None] + cols[None, :], round_to(y, DTYPE), mask=mask)
+
+
+# Row counts and sizes only feed index arithmetic: not specialising them saves compilations.
+@triton.jit(do_not_specialize=["n_rows", "d1", "d2"])
+def norm_rope_kernel(
+    x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr,
+    n_rows, d1, d2, x_s0, x_s1, x_s2, o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s,
+    x_delta, w_delta, o_delta, eps,
+    N: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, LANES: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SQUARE_FMA: tl.constexpr, HALVES: tl.constexpr,
+):
+    """ERNIE-Image's ``rope(F.rms_norm(x, (N,), w, eps), cos, sin)`` on BLOCK_R rows; either
+    half can be switched off (NORM, ROPE).
+
+    Grid axis 1 picks the tensor: program (i, 1) works on x, w, out shifted by x_delta,
+    w_delta, o_delta elements (k relative to q), so q and k (same shape and strides) take one
+    launch.
+    Inputs: [d0, d1, d2, N] strided views (unit stride along N) of one dtype (bf16, fp16,
+    fp32); weight [N] strided, same dtype; cos/sin tables of that dtype indexed per row
+    through (t_s0, t_s1, t_s2) (0 for broadcast dims), ROT = their width (even, <= N).
+    Norm: ATen's vectorized RMSNorm order (module docstring), output rounded once.
+    RoPE (non-interleaved rotate-half on the first ROT channels, the rest passed through):
+    ``round(round(y * cos) + round(rotate_half(y) * sin))``, as eager rounds each op.
+    HALVES: the fast path for full rotation of a power-of-two row of at most 512 (see
+    ``_norm_rope_halves``); otherwise the rotate-half partner is reloaded (scalar loads).
+    """
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    which = tl.program_id(1).to(tl.int64)
+    x_ptr += which * x_delta
+    w_ptr += which * w_delta
+    out_ptr += which * o_delta
+
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    starts = _row_starts(rows, d1, d2, x_s0, x_s1, x_s2)
+    if HALVES:
+        _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, starts, d1, d2,
+                          o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s, eps,
+                          N, NORM, HAS_WEIGHT, BLOCK_R, SQUARE_FMA)
+    else:
+        _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, starts, d1, d2,
+                           o_s0, o_s1, o_s2, t_s0, t_s1, t_s2, w_s, eps,
+                           N, ROT, NORM, ROPE, HAS_WEIGHT, LANES, ITERS, BLOCK_R, BLOCK_N, SQUARE_FMA)
 
 
 def strides_4d(t: torch.Tensor, shape: tuple) -> list[int]:

@@ -92,7 +92,7 @@ def _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_
 @triton.jit
 def rms_norm_kernel(
     x_ptr, update_ptr, gate_ptr, weight_ptr, scale_ptr, shift_ptr, out_ptr, res_ptr, var_ptr,
-    n_rows, inner, width, factor, eps,
+    n_rows, inner, width, n_chunks, factor, eps,
     x_so, x_si, u_so, u_si, g_so, g_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si, r_so, r_si,
     GATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, MODULATE: tl.constexpr,
     HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, WRITE_VAR: tl.constexpr, WRITE_OUT: tl.constexpr,
@@ -105,7 +105,8 @@ def rms_norm_kernel(
     ``residual + (gate.float() * update.float()).to(DTYPE)`` (``x_ptr`` is the residual; the new
     residual is written to ``res_ptr`` in pass 1 and read back in pass 2).
     Variance: ATen's order for the emulated config (BW lanes x WY warps per row, VECTORIZED,
-    CHUNKS chunks of 4*T or T elements), times ``factor``.
+    ``n_chunks`` chunks of 4*T or T elements; CHUNKS = n_chunks as a constant for the scalar
+    path, which unrolls to pick accumulators, 0 otherwise), times ``factor``.
     Output (``out_ptr``'s dtype = OUT): ``h = x * rsqrt.approx(var + eps)`` in fp32; with a
     half weight ``h`` is rounded to the weight dtype and ``h * w`` rounded to it; with an fp32
     weight ``h * w`` in fp32; without a weight ``h`` rounded to OUT. MODULATE then applies
@@ -131,12 +132,12 @@ def rms_norm_kernel(
     a2 = acc
     a3 = acc
     if VECTORIZED:
-        for j in tl.range(0, CHUNKS, loop_unroll_factor=UNROLL):  # sequential adds, any unrolling
+        for j in tl.range(0, n_chunks, loop_unroll_factor=UNROLL):  # sequential adds, any unrolling
             c = j * C + cols[None, :]
             acc = add_rn(acc, _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
                                              c, row_ok[:, None] & (c < width), DTYPE, GATED))
     else:
-        for j in tl.static_range(CHUNKS):  # at most 4 chunks; chunk j feeds accumulator j % 4
+        for j in tl.static_range(CHUNKS):  # n_chunks <= 4 here; chunk j feeds accumulator j % 4
             c = j * C + cols[None, :]
             sq = _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
                                 c, row_ok[:, None] & (c < width), DTYPE, GATED)
@@ -167,7 +168,7 @@ def rms_norm_kernel(
         if MODULATE:
             sc_row = row_offsets(rows, inner, sc_so, sc_si)[:, None]
             sh_row = row_offsets(rows, inner, sh_so, sh_si)[:, None]
-        for j in tl.range(0, CHUNKS, loop_unroll_factor=UNROLL):
+        for j in tl.range(0, n_chunks, loop_unroll_factor=UNROLL):
             c = j * C + cols[None, :]
             mask = row_ok[:, None] & (c < width)
             v = tl.load(src_ptr + src_row + c, mask=mask, other=0.0).to(tl.float32)
@@ -236,10 +237,12 @@ def rms_norm_rows(
     ]
     grid = (triton.cdiv(n_rows, rows),)
     rms_norm_kernel[grid](
-        *args, n_rows, inner, D, float(factor), float(eps), *strides,
+        *args, n_rows, inner, D, chunks, float(factor), float(eps), *strides,
         GATED=update is not None, HAS_WEIGHT=weight is not None, MODULATE=scale is not None,
         HAS_SHIFT=shift is not None, UPCAST=bool(upcast), WRITE_VAR=variance is not None,
         WRITE_OUT=bool(write_out), VECTORIZED=bool(cfg.vectorize_input), BW=bw, WY=wy,
-        LOG_BW=bw.bit_length() - 1, LOG_WY=wy.bit_length() - 1, CHUNKS=chunks, ROWS=rows, UNROLL=unroll, num_warps=warps, **LAUNCH_OPTIONS,
+        LOG_BW=bw.bit_length() - 1, LOG_WY=wy.bit_length() - 1,
+        CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll,
+        num_warps=warps, **LAUNCH_OPTIONS,
     )
     return out

@@ -213,3 +213,19 @@ def test_signature_holds_the_emulated_config_not_m():
     c = torch.zeros(3, 1024, dtype=torch.bfloat16)  # T = 128
     assert RMS_NORM.signature(a, None, EPS) == RMS_NORM.signature(b, None, EPS)
     assert RMS_NORM.signature(a, None, EPS) != RMS_NORM.signature(c, None, EPS)
+
+
+def test_launch_shape_does_not_change_the_bits():
+    """Rows per program, warps and unrolling change the launch, never the arithmetic."""
+    from exactdit.aten_reduce import mean_factor
+    from exactdit.kernels.rms_norm import rms_norm_rows
+
+    g = torch.Generator().manual_seed(2)
+    x = activation("sbd", 20, 2, 512, torch.bfloat16, DEVICE, g)
+    sc = modulation("inner", x.shape, torch.bfloat16, DEVICE, g)
+    ref = references.modulate(model_rms_norm(x, None, EPS), sc, sc, upcast=True)
+    for rows, warps, unroll in [(1, 1, 1), (2, 2, 2), (16, 8, 4), (4, 4, 8)]:
+        out = torch.empty_like(ref)
+        rms_norm_rows(x, None, EPS, mean_factor(40, 512), reduce_config(x), out, scale=sc, shift=sc, upcast=True,
+                      rows_per_program=rows, num_warps=warps, unroll_factor=unroll)
+        assert_bits_equal(out, ref, f"rows={rows} warps={warps} unroll={unroll}")

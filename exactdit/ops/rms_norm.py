@@ -9,6 +9,8 @@ misaligned rows (vectorized widths D >= 128 with D % 4 != 0).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from exactdit import references
@@ -33,8 +35,11 @@ def _n_rows(x: torch.Tensor) -> int:
 def reduce_config(x: torch.Tensor):
     """The single ATen reduce launch for ``x.float().pow(2).mean(-1)``, or a reason string when
     ATen's order is not reproduced for this shape."""
-    D = x.shape[-1]
-    M = _n_rows(x)
+    return _reduce_config(_n_rows(x), x.shape[-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _reduce_config(M: int, D: int):
     launches = mean_lastdim_launches(M, D)
     if len(launches) != 1:
         return "rows split for 32-bit indexing (M * D too large)"
@@ -89,9 +94,12 @@ def _w_key(weight):
     return "none" if weight is None else (weight.dtype, weight.data_ptr() % 16 == 0)
 
 
+_mean_factor = functools.lru_cache(maxsize=1024)(mean_factor)
+
+
 def _launch(x, weight, eps, out, **kw):
     cfg = reduce_config(x)
-    factor = mean_factor(_n_rows(x), x.shape[-1])
+    factor = _mean_factor(_n_rows(x), x.shape[-1])
     return kernels.rms_norm_rows(x, weight, eps, factor, cfg, out, **kw)
 
 

@@ -23,7 +23,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 WEIGHTS = [None, torch.bfloat16, torch.float16, torch.float32]
 ROW_COUNTS = [1, 2, 3, 17, 255, 256, 511, 512, 4224]
 WIDTHS = [64, 128, 1000, 1536, 3072, 4096, 5120, 6144, 8192, 12288, 16384]
-ODD_WIDTHS = [65, 100, 127, 132, 1028, 4100]  # scalar path below 128; D % 4 == 0 above
+# scalar path below 128; above, D % 4 == 0 and misaligned rows (D % 4 != 0)
+ODD_WIDTHS = [65, 100, 127, 132, 1028, 4100, 130, 1001, 4095, 8191]
 
 
 def _rows(shape, dtype, seed, top=12):
@@ -135,8 +136,16 @@ def test_public_ops_take_the_fused_path():
         assert rep[name]["fused"] == 2 and rep[name]["eager"] == 0 and not rep[name]["disabled"], (name, rep[name])
 
 
-def test_unemulated_widths_run_eager():
-    x = _rows((17, 4095), torch.bfloat16, 1)  # vectorized width with misaligned rows
+def test_misaligned_strided_rows():
+    """D % 4 != 0 with strided (non-dense) rows: ATen's fp32 copy is contiguous."""
+    x = _rows((600, 4095), torch.bfloat16, 2)[::2]
+    _check_norm(x, None)
+    _check_norm(_rows((3, 40, 1001), torch.bfloat16, 3)[:, 5:30], _weight(torch.bfloat16, 1001, 1))
+
+
+def test_unemulated_layouts_run_eager():
+    # misaligned rows of a non-dense permuted view: the fp32 copy's layout is not modelled
+    x = _rows((17, 4, 4095), torch.bfloat16, 1)[:, ::2].permute(1, 0, 2)
     assert "misaligned" in RMS_NORM.unsupported(x, None, EPS)
     assert torch.equal(ops.rms_norm(x, None, EPS), references.rms_norm(x, None, EPS))
     assert exactdit.report(show=False)["rms_norm"]["eager"] == 1

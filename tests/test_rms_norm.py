@@ -29,10 +29,24 @@ EPS = 1e-6
 
 
 def model_variance(x: torch.Tensor) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1, keepdim=True)`` in ATen's CUDA order for the real M."""
+    """``x.float().pow(2).mean(-1, keepdim=True)`` in ATen's CUDA order for the real M.
+
+    Where each row starts in ATen's fp32 copy decides its misalignment when D % 4 != 0; the
+    copy's layout is taken from CPU eager (``.to`` and ``pow`` pick layouts the same way on
+    every device) and handed to the order model as storage row numbers."""
     D = x.shape[-1]
-    rows = x.float().reshape(-1, D)
-    var = mean_lastdim_reference_order(rows * rows, num_rows=rows.shape[0])
+    c = x.float()
+    sq = c.pow(2)
+    lead = sq.shape[:-1]
+    offsets = torch.zeros(lead, dtype=torch.int64)
+    for d, (n, st) in enumerate(zip(lead, sq.stride()[:-1])):
+        shape = [1] * len(lead)
+        shape[d] = n
+        offsets = offsets + torch.arange(n).reshape(shape) * st
+    offsets = offsets.reshape(-1)
+    M = offsets.numel()
+    assert torch.equal(torch.sort(offsets).values, torch.arange(M) * D), "fp32 copy is not dense"
+    var = mean_lastdim_reference_order((c * c).reshape(M, D), num_rows=M, row_index=offsets // D)
     return var.reshape(*x.shape[:-1], 1)
 
 
@@ -80,6 +94,8 @@ FIXED = [
     (1, 1, 128), (2, 1, 132), (3, 1, 1000), (17, 1, 1536), (1, 1, 2048), (1, 1, 2100),
     (255, 1, 256), (128, 2, 200), (256, 1, 384), (511, 1, 128), (171, 3, 160), (513, 1, 256),
     (2, 1, 8192), (5, 1, 8192), (17, 1, 8192),
+    # D % 4 != 0 on the vectorized path: rows start misaligned in ATen's fp32 copy
+    (3, 2, 130), (17, 1, 1001), (5, 2, 4095), (1, 1, 255), (2, 1, 8191), (255, 1, 131), (7, 2, 514),
 ]
 
 
@@ -90,7 +106,7 @@ def _cases():
     for _ in range(10):
         S = rng.choice([1, 2, 3, 17, 255, 256, 300, 511, 512])
         B = rng.choice([1, 2]) if S < 300 else 1
-        D = rng.choice([64, 80, 120, 128, 260, 512, 776, 1024, 1500, 2052])
+        D = rng.choice([64, 80, 120, 128, 129, 260, 511, 512, 776, 1001, 1024, 1500, 2051])
         yield S, B, D, rng.choice(DTYPES), rng.choice(WEIGHTS), rng.choice(KINDS)
 
 
@@ -115,7 +131,7 @@ def test_rms_norm_kernel_matches_model(case):
 
 def _mod_cases():
     rng = random.Random(5)
-    shapes = [(1, 1, 64), (3, 2, 256), (17, 2, 1000), (255, 1, 128), (4, 2, 96), (2, 1, 8192), (300, 1, 512), (5, 2, 1536)]
+    shapes = [(1, 1, 64), (3, 2, 256), (17, 2, 1001), (255, 1, 130), (4, 2, 96), (2, 1, 8192), (300, 1, 512), (5, 2, 1535)]
     for i, (S, B, D) in enumerate(shapes):
         yield (S, B, D, DTYPES[i % 3], WEIGHTS[(i + 1) % 4], KINDS[i % 5], MODULATION_KINDS[i % 6],
                MODULATION_KINDS[(i + 2) % 6] if i % 4 else None, bool(i % 2), rng.random() < 0.5)
@@ -193,7 +209,8 @@ def test_public_ops_take_the_fused_path():
 
 def test_unreproduced_configs_run_eager_with_a_reason():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 130, generator=g).to(torch.bfloat16)  # vectorized width, rows misaligned
+    # misaligned rows (D % 4 != 0) of a non-dense permuted view: fp32 copy layout not modelled
+    x = torch.randn(5, 4, 130, generator=g).to(torch.bfloat16)[:, ::2].permute(1, 0, 2)
     assert "misaligned" in RMS_NORM.unsupported(x, None, EPS)
     assert torch.equal(ops.rms_norm(x, None, EPS), references.rms_norm(x, None, EPS))
     rep = exactdit.report(show=False)["rms_norm"]
@@ -229,3 +246,18 @@ def test_launch_shape_does_not_change_the_bits():
         rms_norm_rows(x, None, EPS, mean_factor(40, 512), reduce_config(x), out, scale=sc, shift=sc, upcast=True,
                       rows_per_program=rows, num_warps=warps, unroll_factor=unroll)
         assert_bits_equal(out, ref, f"rows={rows} warps={warps} unroll={unroll}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_misaligned_rows_in_every_layout(kind):
+    """D % 4 != 0: each row's misalignment follows its place in ATen's fp32 copy, which follows
+    the layout (dense views keep theirs, strided rows get a contiguous copy)."""
+    g = torch.Generator().manual_seed(7)
+    x = _x(kind, 9, 2, 1001, torch.bfloat16, g)
+    assert_bits_equal(RMS_NORM.fused(x, None, EPS), model_rms_norm(x, None, EPS), kind)
+    u = _x(kind, 9, 2, 1001, torch.bfloat16, g)
+    gate = modulation("outer", x.shape, torch.bfloat16, DEVICE, g)
+    out, res = GATED_RMS_NORM_MODULATE.fused(x, u, gate, None, EPS, gate, None, True)
+    nr = references.residual_gate_add(x, u, gate)
+    assert_bits_equal(res, nr, "new residual")
+    assert_bits_equal(out, references.modulate(model_rms_norm(nr, None, EPS), gate, None, upcast=True), kind)

@@ -92,10 +92,10 @@ def _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_
 def rms_norm_kernel(
     x_ptr, update_ptr, gate_ptr, weight_ptr, scale_ptr, shift_ptr, out_ptr, res_ptr, var_ptr,
     n_rows, inner, width, n_chunks, factor, eps,
-    x_so, x_si, u_so, u_si, g_so, g_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si, r_so, r_si,
+    x_so, x_si, u_so, u_si, g_so, g_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si, r_so, r_si, a_so, a_si,
     GATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, MODULATE: tl.constexpr,
     HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, WRITE_VAR: tl.constexpr, WRITE_OUT: tl.constexpr,
-    VECTORIZED: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr, LOG_BW: tl.constexpr,
+    VECTORIZED: tl.constexpr, MISALIGNED: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr, LOG_BW: tl.constexpr,
     LOG_WY: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One kernel for ``rms_norm``, ``rms_norm_modulate`` and ``gated_rms_norm_modulate``.
@@ -105,7 +105,9 @@ def rms_norm_kernel(
     residual is written to ``res_ptr`` in pass 1 and read back in pass 2).
     Variance: ATen's order for the emulated config (BW lanes x WY warps per row, VECTORIZED,
     ``n_chunks`` chunks of 4*T or T elements; CHUNKS = n_chunks as a constant for the scalar
-    path, which unrolls to pick accumulators, 0 otherwise), times ``factor``.
+    path, which unrolls to pick accumulators, 0 otherwise), times ``factor``. MISALIGNED
+    (vectorized, D % 4 != 0): each row's misalignment in ATen's fp32 copy is its offset in
+    that copy, ``row_offsets(rows, inner, a_so, a_si)``, modulo 4 floats (head/tail handling).
     Output (``out_ptr``'s dtype = OUT): ``h = x * rsqrt.approx(var + eps)`` in fp32; with a
     half weight ``h`` is rounded to the weight dtype and ``h * w`` rounded to it; with an fp32
     weight ``h * w`` in fp32; without a weight ``h`` rounded to OUT. MODULATE then applies
@@ -131,10 +133,31 @@ def rms_norm_kernel(
     a2 = acc
     a3 = acc
     if VECTORIZED:
+        start = tl.zeros((ROWS, 1), dtype=tl.int32)
+        vec_end = tl.zeros((ROWS, 1), dtype=tl.int32) + width
+        if MISALIGNED:
+            # Rows of the fp32 copy start s = (offset % 4) floats past a 16-byte boundary: the
+            # h = (4 - s) % 4 head elements go into accumulator 0 of threads s..3 first, the
+            # float4 vectors start at element h, and the (D - h) % 4 tail elements are added
+            # into accumulator 0 of threads 0, 1, 2 after the vectors.
+            s = (row_offsets(rows, inner, a_so, a_si) % 4).to(tl.int32)[:, None]
+            start = (4 - s) % 4
+            vec_end = width - (width - start) % 4
+            p = cols[None, :] // 4
+            first = (cols[None, :] % 4) == 0
+            head = p - s
+            head_ok = row_ok[:, None] & first & (head >= 0) & (head < start)
+            acc = _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
+                                 tl.where(head_ok, head, 0), head_ok, DTYPE, GATED)
         for j in tl.range(0, n_chunks, loop_unroll_factor=UNROLL):  # sequential adds, any unrolling
-            c = j * C + cols[None, :]
+            c = start + j * C + cols[None, :]
             acc = add_rn(acc, _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
-                                             c, row_ok[:, None] & (c < width), DTYPE, GATED))
+                                             c, row_ok[:, None] & (c < vec_end), DTYPE, GATED))
+        if MISALIGNED:
+            tail = vec_end + p
+            tail_ok = row_ok[:, None] & first & (tail < width)
+            acc = add_rn(acc, _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
+                                             tl.where(tail_ok, tail, 0), tail_ok, DTYPE, GATED))
     else:
         for j in tl.static_range(CHUNKS):  # n_chunks <= 4 here; chunk j feeds accumulator j % 4
             c = j * C + cols[None, :]
@@ -197,7 +220,7 @@ def launch_shape(chunk: int, n_rows: int) -> tuple[int, int, int]:
 def rms_norm_rows(
     x, weight, eps, factor, cfg, out, *, update=None, gate=None, new_residual=None,
     scale=None, shift=None, upcast=False, variance=None, write_out=True,
-    rows_per_program=None, num_warps=None, unroll_factor=None,
+    copy_strides=None, rows_per_program=None, num_warps=None, unroll_factor=None,
 ):
     """Launch :func:`rms_norm_kernel` over ``x``'s rows.
 
@@ -205,6 +228,8 @@ def rms_norm_rows(
     one CTA per row, D % 4 == 0 when vectorized). ``factor``: ATen's mean factor for the real M.
     With ``update``/``gate`` the rows are the new residual (written to ``new_residual``).
     ``variance``: optional fp32 [M] output of the per-row variance.
+    ``copy_strides``: (outer, inner) strides of the rows in ATen's fp32 copy of ``x`` (needed
+    only when D % 4 != 0 on the vectorized path: they decide each row's misalignment).
     """
     shape = x.shape
     D = shape[-1]
@@ -214,6 +239,10 @@ def rms_norm_rows(
     strides = []
     for v in views:
         strides += list(row_strides(v)) if v is not None else [0, 0]
+    misaligned = bool(cfg.vectorize_input and D % 4 != 0)
+    if misaligned and copy_strides is None:
+        raise ValueError("rows misaligned in ATen's fp32 copy need copy_strides")
+    strides += list(copy_strides) if misaligned else [0, 0]
     bw = cfg.block_width
     wy = cfg.warps_per_row
     chunk = 4 * bw * wy if cfg.vectorize_input else bw * wy
@@ -239,7 +268,7 @@ def rms_norm_rows(
         *args, n_rows, inner, D, chunks, float(factor), float(eps), *strides,
         GATED=update is not None, HAS_WEIGHT=weight is not None, MODULATE=scale is not None,
         HAS_SHIFT=shift is not None, UPCAST=bool(upcast), WRITE_VAR=variance is not None,
-        WRITE_OUT=bool(write_out), VECTORIZED=bool(cfg.vectorize_input), BW=bw, WY=wy,
+        WRITE_OUT=bool(write_out), VECTORIZED=bool(cfg.vectorize_input), MISALIGNED=misaligned, BW=bw, WY=wy,
         LOG_BW=bw.bit_length() - 1, LOG_WY=wy.bit_length() - 1,
         CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll,
         num_warps=warps, **LAUNCH_OPTIONS,

@@ -2,9 +2,10 @@
 
 The variance is ATen's generic mean reduction, whose order of additions depends on the real row
 count M and width D; the kernel reproduces the configuration ATen picks
-(:func:`exactdit.aten_reduce.mean_lastdim_launches`). Configurations not reproduced run eager:
-ATen's 32-bit split (``M * D`` beyond ~2**29), a row split across blocks (never for D <= 16384),
-misaligned rows (vectorized widths D >= 128 with D % 4 != 0).
+(:func:`exactdit.aten_reduce.mean_lastdim_launches`), including rows that start misaligned in
+ATen's fp32 copy (D >= 128 with D % 4 != 0). Configurations not reproduced run eager: ATen's
+32-bit split (``M * D`` beyond ~2**29), a row split across blocks (never for D <= 16384),
+misaligned rows of a non-dense permuted view (whose fp32 copy layout is not modelled).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from exactdit import references
 from exactdit.aten_reduce import mean_factor, mean_lastdim_launches
 from exactdit.gate import FusedOp, dispatch
 from exactdit.kernels import rms_norm as kernels
+from exactdit.kernels.rows import as_3d, row_strides
 from exactdit.ops._common import (
     KERNEL_DTYPES,
     dtype_support,
@@ -46,14 +48,39 @@ def _reduce_config(M: int, D: int):
     cfg = launches[0][2]
     if cfg.ctas_per_output != 1:
         return "row split across blocks"
-    if cfg.vectorize_input and D % 4 != 0:
-        return "misaligned rows (D % 4 != 0) not emulated"
     return cfg
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def copy_row_strides(x: torch.Tensor):
+    """(outer, inner) row strides of ATen's fp32 copy ``x.to(float32).pow(2)`` in the kernels'
+    [outer, inner, D] view, or None when not modelled. A dense ``x`` keeps its strides (both
+    ``.to`` and ``pow`` preserve a dense layout); a non-dense view whose rows are in logical order
+    gets a contiguous copy. Only the rows' misalignment (offset mod 4) depends on this."""
+    x3 = as_3d(x, x.shape)
+    so, si = row_strides(x3)
+    if _dense(x):
+        return so, si
+    outer, inner, D = x3.shape
+    if outer == 1 or inner == 1 or so >= si * inner:
+        return inner * D, D
+    return None
 
 
 def _config_key(x: torch.Tensor) -> tuple:
     cfg = reduce_config(x)
-    return (cfg.vectorize_input, cfg.block_width, cfg.warps_per_row)
+    D = x.shape[-1]
+    misaligned = cfg.vectorize_input and D % 4 != 0
+    return (cfg.vectorize_input, cfg.block_width, cfg.warps_per_row, misaligned and copy_row_strides(x))
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
@@ -76,7 +103,11 @@ def _norm_unsupported(x, weight) -> str | None:
         if weight.shape[0] > 1 and weight.stride(0) != 1:
             return "weight not contiguous"
     cfg = reduce_config(x)
-    return cfg if isinstance(cfg, str) else None
+    if isinstance(cfg, str):
+        return cfg
+    if cfg.vectorize_input and x.shape[-1] % 4 != 0 and copy_row_strides(x) is None:
+        return "misaligned rows (D % 4 != 0) of a non-dense permuted view"
+    return None
 
 
 def _mod_unsupported(y_dtype, shape, scale, shift, upcast) -> str | None:
@@ -100,7 +131,7 @@ _mean_factor = functools.lru_cache(maxsize=1024)(mean_factor)
 def _launch(x, weight, eps, out, **kw):
     cfg = reduce_config(x)
     factor = _mean_factor(_n_rows(x), x.shape[-1])
-    return kernels.rms_norm_rows(x, weight, eps, factor, cfg, out, **kw)
+    return kernels.rms_norm_rows(x, weight, eps, factor, cfg, out, copy_strides=copy_row_strides(x), **kw)
 
 
 # rms_norm -----------------------------------------------------------------------------------

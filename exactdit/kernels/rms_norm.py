@@ -88,7 +88,7 @@ def _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_
     return mul_rn(v, v)  # masked elements give +0, and adding +0 to a sum of squares is exact
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "inner", "n_chunks"])
 def rms_norm_kernel(
     x_ptr, update_ptr, gate_ptr, weight_ptr, scale_ptr, shift_ptr, out_ptr, res_ptr, var_ptr,
     n_rows, inner, width, n_chunks, factor, eps,

@@ -28,12 +28,13 @@ from common import environment, write_json  # noqa: E402
 from exactdit import references  # noqa: E402
 from exactdit.aten_reduce import mean_factor  # noqa: E402
 from exactdit.kernels.rms_norm import rms_norm_rows  # noqa: E402
-from exactdit.ops.rms_norm import RMS_NORM, reduce_config  # noqa: E402
+from exactdit.ops.rms_norm import RMS_NORM, copy_row_strides, reduce_config  # noqa: E402
 
 DEFAULT = [
     "1x64", "1x4096", "2x4096", "3x1000", "17x4096", "255x3072", "256x1536", "511x5120", "512x6144",
     "4224x64", "4224x100", "4224x128", "4224x1000", "4224x3072", "4224x4096", "4224x5120",
     "4224x6144", "4224x8192", "4224x12288", "4224x16384", "8448x4096", "1x16384", "17x16384",
+    "4224x4095", "17x1001", "3x130",
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,7 +54,8 @@ def diagnose(M, D, dtype):
     if isinstance(cfg, str):
         return {"shape": f"{M}x{D}", "config": "-", "reason": cfg}
     var = torch.empty(M, dtype=torch.float32, device="cuda")
-    rms_norm_rows(x, None, 1e-6, mean_factor(M, D), cfg, None, variance=var, write_out=False)
+    rms_norm_rows(x, None, 1e-6, mean_factor(M, D), cfg, None, variance=var, write_out=False,
+                  copy_strides=copy_row_strides(x))
     ref_var = x.to(torch.float32).pow(2).mean(-1)
     var_ok = (var.view(torch.int32) == ref_var.view(torch.int32)).float().mean().item()
     out = RMS_NORM.fused(x, None, 1e-6)

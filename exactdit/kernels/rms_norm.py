@@ -133,8 +133,8 @@ def rms_norm_kernel(
     a2 = acc
     a3 = acc
     if VECTORIZED:
-        start = tl.zeros((ROWS, 1), dtype=tl.int32)
-        vec_end = tl.zeros((ROWS, 1), dtype=tl.int32) + width
+        start = 0
+        vec_end = width
         if MISALIGNED:
             # Rows of the fp32 copy start s = (offset % 4) floats past a 16-byte boundary: the
             # h = (4 - s) % 4 head elements go into accumulator 0 of threads s..3 first, the

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
-from exactdit.kernels.rows import as_3d, row_offsets, row_strides
+from exactdit.kernels.rows import row_offsets, row_strides, rows_of
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, mul_rn, round_to, rounded, rsqrt_approx
 
 
@@ -231,14 +231,11 @@ def rms_norm_rows(
     ``copy_strides``: (outer, inner) strides of the rows in ATen's fp32 copy of ``x`` (needed
     only when D % 4 != 0 on the vectorized path: they decide each row's misalignment).
     """
-    shape = x.shape
-    D = shape[-1]
-    views = [as_3d(t, shape) if t is not None else None for t in (x, update, gate, scale, shift, out, new_residual)]
-    x3 = views[0]
-    n_rows, inner = x3.shape[0] * x3.shape[1], x3.shape[1]
+    shape = tuple(x.shape)
+    n_rows, inner, D = rows_of(shape)
     strides = []
-    for v in views:
-        strides += list(row_strides(v)) if v is not None else [0, 0]
+    for t in (x, update, gate, scale, shift, out, new_residual):
+        strides += list(row_strides(t, shape)) if t is not None else [0, 0]
     misaligned = bool(cfg.vectorize_input and D % 4 != 0)
     if misaligned and copy_strides is None:
         raise ValueError("rows misaligned in ATen's fp32 copy need copy_strides")
@@ -246,7 +243,7 @@ def rms_norm_rows(
     bw = cfg.block_width
     wy = cfg.warps_per_row
     chunk = 4 * bw * wy if cfg.vectorize_input else bw * wy
-    chunks = triton.cdiv(D, chunk)
+    chunks = -(-D // chunk)
     rows, warps, unroll = launch_shape(chunk, n_rows)
     rows = rows_per_program or rows
     warps = num_warps or warps
@@ -263,7 +260,7 @@ def rms_norm_rows(
         new_residual if new_residual is not None else dummy,
         variance if variance is not None else dummy,
     ]
-    grid = (triton.cdiv(n_rows, rows),)
+    grid = (-(-n_rows // rows),)
     rms_norm_kernel[grid](
         *args, n_rows, inner, D, chunks, float(factor), float(eps), *strides,
         GATED=update is not None, HAS_WEIGHT=weight is not None, MODULATE=scale is not None,

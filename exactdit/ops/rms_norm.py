@@ -18,7 +18,7 @@ from exactdit import references
 from exactdit.aten_reduce import mean_factor, mean_lastdim_launches
 from exactdit.gate import FusedOp, dispatch
 from exactdit.kernels import rms_norm as kernels
-from exactdit.kernels.rows import as_3d, row_strides
+from exactdit.kernels.rows import row_strides, rows_of
 from exactdit.ops._common import (
     KERNEL_DTYPES,
     dtype_support,
@@ -66,11 +66,12 @@ def copy_row_strides(x: torch.Tensor):
     [outer, inner, D] view, or None when not modelled. A dense ``x`` keeps its strides (both
     ``.to`` and ``pow`` preserve a dense layout); a non-dense view whose rows are in logical order
     gets a contiguous copy. Only the rows' misalignment (offset mod 4) depends on this."""
-    x3 = as_3d(x, x.shape)
-    so, si = row_strides(x3)
+    shape = tuple(x.shape)
+    so, si = row_strides(x, shape)
     if _dense(x):
         return so, si
-    outer, inner, D = x3.shape
+    n_rows, inner, D = rows_of(shape)
+    outer = n_rows // inner
     if outer == 1 or inner == 1 or so >= si * inner:
         return inner * D, D
     return None

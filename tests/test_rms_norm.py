@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import exactdit
-from exactdit import ops, references
+from exactdit import gate, ops, references
 from exactdit.aten_reduce import mean_lastdim_config, mean_lastdim_reference_order
 from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM, RMS_NORM_MODULATE, reduce_config
 from tests.conftest import DEVICE, ON_GPU
@@ -189,12 +189,19 @@ def test_row_count_changes_the_bits_and_the_kernel_follows():
     assert_bits_equal(RMS_NORM.fused(x[:1], None, EPS), model_rms_norm(x[:1], None, EPS), "M = 1")
 
 
-def test_public_ops_take_the_fused_path():
+def test_public_ops_take_the_fused_path(monkeypatch):
     g = torch.Generator().manual_seed(4)
     x = activation("sbd", 9, 2, 256, torch.bfloat16, DEVICE, g)
     u = activation("sbd", 9, 2, 256, torch.bfloat16, DEVICE, g)
     vec = modulation("inner", x.shape, torch.bfloat16, DEVICE, g)
     w = _weight(torch.bfloat16, 256, g)
+    # The gate cannot verify CUDA numerics against CPU eager: without EXACTDIT_TRUST a CPU call
+    # runs eager, and says why.
+    assert torch.equal(ops.rms_norm(x, w, EPS), references.rms_norm(x, w, EPS))
+    assert exactdit.report(show=False)["rms_norm"]["eager_reasons"] == {gate.CPU_NUMERICS: 1}
+    gate.reset()
+    # Trusted, the public ops run the kernels, which follow the CUDA order model.
+    monkeypatch.setenv("EXACTDIT_TRUST", "1")
     assert_bits_equal(ops.rms_norm(x, w, EPS), model_rms_norm(x, w, EPS))
     y = model_rms_norm(x, None, EPS)
     assert_bits_equal(ops.rms_norm_modulate(x, None, EPS, vec, vec, upcast=True), references.modulate(y, vec, vec, upcast=True))

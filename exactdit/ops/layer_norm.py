@@ -104,7 +104,7 @@ def _ln_fused(x, eps, weight, bias):
     return kernels.layer_norm(x, eps, weight, bias, out)
 
 
-LAYER_NORM = FusedOp("layer_norm", _ln_reference, _ln_fused, _ln_unsupported, _ln_signature, _ln_validate)
+LAYER_NORM = FusedOp("layer_norm", _ln_reference, _ln_fused, _ln_unsupported, _ln_signature, _ln_validate, cuda_numerics=True)
 
 
 # layer_norm_modulate ----------------------------------------------------------------------
@@ -141,7 +141,8 @@ def _lnm_fused(x, eps, scale, shift, weight, bias, upcast):
 
 
 LAYER_NORM_MODULATE = FusedOp(
-    "layer_norm_modulate", _lnm_reference, _lnm_fused, _lnm_unsupported, _lnm_signature, _lnm_validate
+    "layer_norm_modulate", _lnm_reference, _lnm_fused, _lnm_unsupported, _lnm_signature, _lnm_validate,
+    cuda_numerics=True,
 )
 
 

@@ -164,6 +164,7 @@ RMS_NORM = FusedOp(
     unsupported=_rn_unsupported,
     signature=_rn_signature,
     validate=_rn_validate,
+    cuda_numerics=True,
 )
 
 
@@ -209,6 +210,7 @@ RMS_NORM_MODULATE = FusedOp(
     unsupported=_rnm_unsupported,
     signature=_rnm_signature,
     validate=_rnm_validate,
+    cuda_numerics=True,
 )
 
 
@@ -259,6 +261,7 @@ GATED_RMS_NORM_MODULATE = FusedOp(
     unsupported=_grnm_unsupported,
     signature=_grnm_signature,
     validate=_grnm_validate,
+    cuda_numerics=True,
 )
 
 

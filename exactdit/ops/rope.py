@@ -39,9 +39,6 @@ def _x_support(x: torch.Tensor, name: str) -> str | None:
     return None
 
 
-#: Eager reason for CPU tensors: the kernels reproduce ATen's CUDA kernels, whose orders differ
-#: from ATen's CPU ones (CPU tests call the kernels directly, against order models).
-CPU_ORDER = "ATen's CPU kernel rounds differently from the CUDA kernel this reproduces"
 
 
 def _norm_support(x: torch.Tensor, weight: torch.Tensor | None, name: str) -> str | None:
@@ -135,8 +132,6 @@ def _x_layout(x):
 
 
 def _hrn_unsupported(x, weight, eps):
-    if x.device.type != "cuda":
-        return CPU_ORDER
     reason = _x_support(x, "x") or _norm_support(x, weight, "x")
     if reason is None and not x.is_contiguous():
         # ATen normalises a contiguous copy; which strides its output gets is not modelled here.
@@ -161,6 +156,7 @@ HEAD_RMS_NORM = FusedOp(
     unsupported=_hrn_unsupported,
     signature=_hrn_signature,
     validate=lambda x, weight, eps: _validate_norm(x, weight, "x"),
+    cuda_numerics=True,
 )
 
 
@@ -206,8 +202,6 @@ def _qk_validate(q, k, norm_q_weight, norm_k_weight, eps, freqs):
 
 
 def _qk_unsupported(q, k, norm_q_weight, norm_k_weight, eps, freqs):
-    if q.device.type != "cuda":
-        return CPU_ORDER
     if q.dtype != k.dtype:
         return "q and k of different dtypes"
     if q.shape != k.shape:
@@ -246,6 +240,7 @@ QK_NORM_ROPE = FusedOp(
     unsupported=_qk_unsupported,
     signature=_qk_signature,
     validate=_qk_validate,
+    cuda_numerics=True,
 )
 
 

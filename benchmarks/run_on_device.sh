@@ -19,6 +19,9 @@ for stage in "$@"; do
     tests)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
       timeout 400 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
+    erf)
+      timeout 60 python3 benchmarks/probe_erf.py 2>&1 | tee "$OUT/probe_erf.log" | tail -6
+      timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_geglu.py -rf 2>&1 | tee "$OUT/gpu_geglu.log" | grep -v "^\." | tail -12 ;;
     tune)
       timeout 200 python3 benchmarks/tune_elementwise.py 2>&1 | tee "$OUT/tune_elementwise.log" | tail -12 ;;
     ops)
@@ -26,7 +29,7 @@ for stage in "$@"; do
         [ -f "$b" ] && timeout 200 python3 "$b" 2>&1 | tee -a "$OUT/bench_ops.log" | tail -14
       done ;;
     ernie)
-      timeout 300 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -30
-      timeout 280 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -30 ;;
+      ERNIE_EQ_BUDGET_S=${ERNIE_EQ_BUDGET_S:-150} timeout 230 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -25
+      ERNIE_BENCH_BUDGET_S=${ERNIE_BENCH_BUDGET_S:-120} timeout 270 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -25 ;;
   esac
 done

@@ -40,9 +40,10 @@ def rows_of(shape: tuple) -> tuple[int, int, int]:
     return outer * inner, inner, width
 
 
-#: Tile of the elementwise kernels: (elements per program, widest tile, warps). Tuned on an H200
-#: with benchmarks/tune_elementwise.py (see BENCHMARKS.md).
-ELEMENTWISE_TILE = {"elements": 4096, "max_width": 1024, "num_warps": 4}
+#: Tile of the elementwise kernels: (elements per program, widest tile, warps). Chosen on an
+#: H200 with benchmarks/tune_elementwise.py as the tile with the best worst case over the
+#: production shapes (87.6% of copy bandwidth; see BENCHMARKS.md).
+ELEMENTWISE_TILE = {"elements": 2048, "max_width": 2048, "num_warps": 4}
 
 
 def elementwise_blocks(n_rows: int, width: int) -> tuple[int, int, tuple[int, int]]:

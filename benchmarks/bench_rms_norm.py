@@ -97,6 +97,9 @@ def bench(name, shape, args, op, ref, nbytes, bw):
     return row
 
 
+TUNE_SPACE = list(itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8], [1, 2, 4]))
+
+
 def tune(shape, bw):
     """Launch-shape sweep of the plain rms_norm_modulate kernel (fp32 chain) at ``shape``."""
     x, _, _, scale, shift, _ = _inputs(shape)
@@ -106,7 +109,7 @@ def tune(shape, bw):
     f = mean_factor(M, D)
     floor = 2 * x.numel() * x.element_size() / (bw * 1e9) * 1e6
     rows = []
-    for rpp, warps, unroll in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8], [1, 2, 4]):
+    for rpp, warps, unroll in TUNE_SPACE:
         out = torch.empty_like(ref)
         run = lambda: rms_norm_rows(x, None, EPS, f, cfg, out, scale=scale, shift=shift, upcast=True,  # noqa: E731
                                     rows_per_program=rpp, num_warps=warps, unroll_factor=unroll,
@@ -126,10 +129,18 @@ def tune(shape, bw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-quick", action="store_true", help="a 12-point launch-shape sweep only")
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s on {environment()['gpu']}")
+    if args.tune_quick:  # launch shape only: rows per program x warps x unroll at [4224, 4096]
+        global TUNE_SPACE
+        TUNE_SPACE = list(itertools.product([1, 2, 4], [4, 8], [4, 8]))
+        t = tune((4224, 4096), bw)
+        print(table(t[:6], ["rows", "warps", "unroll", "us", "x_floor", "bit_exact"]))
+        write_json("bench_rms_norm_tune.json", {"env": environment(), "copy_gbs": bw, "tune": t})
+        return
     cols = ["op", "shape", "eager_graph_us", "compile_graph_us", "exactdit_graph_us", "exactdit_call_us",
             "floor_us", "x_floor", "vs_compile", "compile_bit_exact"]
     main_rows = [bench(*c, bw) for c in cases([(4224, 4096), (2, 4224, 4096)], ("rms_norm", "modulate", "gated"))]

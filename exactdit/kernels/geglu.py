@@ -12,18 +12,10 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.rows import elementwise_blocks, row_offsets, row_strides, rows_of
-from exactdit.numerics import LAUNCH_OPTIONS, add_rn, mul_rn, round_to, rounded
+from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, cuda_libdevice, mul_rn, round_to, rounded
 
 #: fp32(1 / sqrt(2)) = 0.70710677f, ATen's ``kAlpha``.
 K_ALPHA = tl.constexpr(0.7071067690849304)
-
-#: nvcc compiled ATen's erff with its default ``--fmad=true``: multiply-adds inside the CUDA
-#: math library's erff may be contracted into FMAs. With Triton's contraction off, libdevice's
-#: erf differed from ATen's in ~0.5% of GeGLU outputs on an H200 (near erf = -1, where 1 + erf
-#: cancels). So this one kernel launches with contraction on: every op of our own is a PTX
-#: ``.rn`` instruction (numerics.mul_rn / add_rn), which is never contracted, so the switch
-#: reaches only erf's internals.
-ERF_CONTRACTION = True
 
 #: Which fp32 evaluation order of ATen's GELU the kernel uses (see ``gelu_values``); the GPU
 #: probe decides. 0 = source order, 1 = cdf first, 2 = distributed FMA.
@@ -34,7 +26,8 @@ GELU_FORM = 0
 def gelu_values(x, FORM: tl.constexpr):
     """ATen's exact GELU ``x * 0.5 * (1 + erf(x * kAlpha))`` on fp32 values; returns fp32.
 
-    erf is libdevice ``erff`` (``tl.math.erf``); every other op rounds once, never contracted.
+    erf is ``tl.math.erf`` from the CUDA toolkit's libdevice (``numerics.cuda_libdevice``: the
+    one ATen's erff came from); every other op rounds once, never contracted.
     FORM 0 (source order, ``aten_norms.gelu_candidates()["src"]``):
     ``fl(fl(x * 0.5) * fl(1 + erf(fl(x * kAlpha))))``; FORM 1 (``cdf_first``):
     ``fl(x * fl(0.5 * fl(1 + erf(u))))``; FORM 2 (``fma_h_e_h``): ``fma(h, erf(u), h)`` with
@@ -84,7 +77,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tens
     strides = [s for t in (gate, up, out) for s in row_strides(t, shape)]
     geglu_kernel[grid](
         gate, up, out, n_rows, inner, width, *strides,
-        FORM=GELU_FORM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-        **dict(LAUNCH_OPTIONS, enable_fp_fusion=ERF_CONTRACTION),
+        FORM=GELU_FORM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **LAUNCH_OPTIONS,
+        **({} if INTERPRET else {"extern_libs": {"libdevice": cuda_libdevice()}}),
     )
     return out

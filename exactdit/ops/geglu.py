@@ -12,6 +12,7 @@ import torch
 from exactdit import references
 from exactdit.gate import FusedOp, dispatch
 from exactdit.kernels import geglu as kernels
+from exactdit.numerics import cuda_libdevice
 from exactdit.ops._common import dtype_support, layout, new_outputs, require_tensors, rows_class, unit_stride_support
 
 
@@ -39,6 +40,8 @@ def _validate(gate, up):
 
 def _unsupported(gate, up):
     g, u = _split(gate, up)
+    if g.device.type == "cuda" and cuda_libdevice() is None:
+        return "no CUDA toolkit libdevice matching torch's CUDA (Triton's own erf differs from ATen's)"
     if g.shape != u.shape:
         return "gate and up shapes differ (broadcast)"
     return dtype_support(g, u) or unit_stride_support(g.shape, gate=g, up=u)

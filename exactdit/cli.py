@@ -134,6 +134,14 @@ def tiny_pipeline(out_dir, seed) -> None:
 
 
 @main.command()
+def selfcheck() -> None:
+    """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""
+    from exactdit.selfcheck import main as run_selfcheck
+
+    sys.exit(run_selfcheck())
+
+
+@main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 def compare(files) -> None:
     """Markdown table of end-to-end and per-stage deltas between perf JSONs (first = baseline)."""

@@ -17,20 +17,34 @@ from exactdit.gate import first_difference
 
 
 def _cases(device: torch.device):
+    """(name, op, reference, args, kwargs) for every op, in the layouts ERNIE-Image uses."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*shape, dtype):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
+    S, B, D, H, hd = 77, 2, 320, 4, 64
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        S, B, D = 77, 2, 320
-        x = rnd(S, B, D, dtype=dtype)
-        vec = rnd(B, D, dtype=dtype)
-        mods = rnd(B, 3 * D, dtype=dtype).chunk(3, dim=-1)
-        yield "residual_gate_add", ops.residual_gate_add, references.residual_gate_add, (x, rnd(S, B, D, dtype=dtype), vec), {}
+        x, update = rnd(S, B, D, dtype=dtype), rnd(S, B, D, dtype=dtype)
+        w = rnd(D, dtype=dtype)
+        # six [1, B, D] modulation views of one projection, as the patched ERNIE-Image block has them
+        shift, scale, gate, shift2, scale2, gate2 = (m.unsqueeze(0) for m in rnd(B, 6 * D, dtype=dtype).chunk(6, dim=-1))
+        yield "residual_gate_add", ops.residual_gate_add, references.residual_gate_add, (x, update, gate), {}
         for upcast in (False, True):
-            yield "modulate", ops.modulate, references.modulate, (x, mods[0], mods[1]), {"upcast": upcast}
-            yield "modulate", ops.modulate, references.modulate, (x.permute(1, 0, 2), mods[2][:, None], None), {"upcast": upcast}
+            kw = {"upcast": upcast}
+            yield "modulate", ops.modulate, references.modulate, (x, scale, shift), kw
+            yield "modulate", ops.modulate, references.modulate, (x.permute(1, 0, 2), scale2[0][:, None], None), kw
+            yield "rms_norm_modulate", ops.rms_norm_modulate, references.rms_norm_modulate, (x, w, 1e-6, scale, shift), kw
+            yield ("gated_rms_norm_modulate", ops.gated_rms_norm_modulate, references.gated_rms_norm_modulate,
+                   (x, update, gate, w, 1e-6, scale2, shift2), kw)
+            yield "layer_norm_modulate", ops.layer_norm_modulate, references.layer_norm_modulate, (x, 1e-6, scale, shift), kw
+        yield "rms_norm", ops.rms_norm, references.rms_norm, (x, w, 1e-6), {}
+        q, k = rnd(B, S, H * hd, dtype=dtype).unflatten(-1, (H, hd)), rnd(B, S, H * hd, dtype=dtype).unflatten(-1, (H, hd))
+        wq, wk = rnd(hd, dtype=dtype), rnd(hd, dtype=dtype)
+        freqs = rnd(B, S, 1, hd, dtype=torch.float32) * 3
+        yield "qk_norm_rope", ops.qk_norm_rope, references.qk_norm_rope, (q, k, wq, wk, 1e-6, freqs), {}
+        yield "geglu", ops.geglu, references.geglu, (rnd(S, B, 2 * D, dtype=dtype),), {}
+        yield "geglu", ops.geglu, references.geglu, (rnd(S, B, D, dtype=dtype), rnd(S, B, D, dtype=dtype)), {}
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import exactdit
+from exactdit import references
 from exactdit.cli import main
 from exactdit.numerics import INTERPRET
 
@@ -256,3 +257,21 @@ def test_demo_refuses_config_that_does_not_fit(monkeypatch, tmp_path):
     monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 1 << 20)
     res = invoke("demo", "--config", "small", "--device", "cpu", "--out", tmp_path)
     assert_clean_error(res, 1, "--config small needs about", "GiB")
+
+
+def test_selfcheck_holds_every_op_to_eager():
+    result = invoke("selfcheck")
+    assert result.exit_code == 0, result.output
+    assert "all results bit-identical to eager" in result.output
+    for op in ("residual_gate_add", "modulate", "rms_norm_modulate", "gated_rms_norm_modulate",
+               "qk_norm_rope", "geglu", "layer_norm_modulate"):
+        assert op in result.output
+
+
+def test_selfcheck_exits_non_zero_when_an_op_differs(monkeypatch):
+    from exactdit import selfcheck
+
+    wrong = lambda *args, **kwargs: references.modulate(*args, **kwargs) + 1  # noqa: E731
+    monkeypatch.setattr(selfcheck.ops, "modulate", wrong)
+    result = invoke("selfcheck")
+    assert result.exit_code == 1 and "FAIL modulate" in result.output

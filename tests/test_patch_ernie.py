@@ -345,7 +345,6 @@ def test_source_guard_refuses_changed_diffusers(monkeypatch):
 
 
 def test_lora_adapter_before_and_after_patch():
-    pytest.importorskip("peft")
     from peft import LoraConfig
 
     config = LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
@@ -366,7 +365,6 @@ def test_lora_adapter_before_and_after_patch():
 
 
 def test_accelerate_hooks_either_order():
-    pytest.importorskip("accelerate")
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
     class Counting(ModelHook):
@@ -400,7 +398,6 @@ def test_accelerate_hooks_either_order():
 
 
 def test_sequential_offload_style_hooks_refused():
-    pytest.importorskip("accelerate")
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     model = tiny_model()

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import elementwise_blocks, row_offsets, row_strides, rows_of
+from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, row_offsets, row_strides, rows_of
 from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, cuda_libdevice, mul_rn, round_to, rounded
 
 #: fp32(1 / sqrt(2)) = 0.70710677f, ATen's ``kAlpha``.
@@ -77,7 +77,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tens
     strides = [s for t in (gate, up, out) for s in row_strides(t, shape)]
     geglu_kernel[grid](
         gate, up, out, n_rows, inner, width, *strides,
-        FORM=GELU_FORM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **LAUNCH_OPTIONS,
+        FORM=GELU_FORM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=ELEMENTWISE_TILE["num_warps"], **LAUNCH_OPTIONS,
         **({} if INTERPRET else {"extern_libs": {"libdevice": cuda_libdevice()}}),
     )
     return out

@@ -98,12 +98,3 @@ def new_outputs(reference, *args, device: torch.device):
             out.view(_INT_VIEW[dtype]).fill_(_POISON[dtype])
         outs.append(out)
     return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def not_yet_fused(*args) -> str:
-    """Predicate of an op whose kernel has not landed: every call runs eager."""
-    return "no fused kernel for this op yet"
-
-
-def no_signature(*args) -> tuple:
-    return ()

@@ -58,6 +58,11 @@ def layout(t: torch.Tensor | None, shape: torch.Size) -> tuple | str:
     return dims + (t.data_ptr() % 16 == 0,)
 
 
+def n_rows(x: torch.Tensor) -> int:
+    """Rows of an activation: all dims but the last flattened."""
+    return x.numel() // max(1, x.shape[-1]) if x.dim() else 1
+
+
 def rows_class(n_rows: int) -> str:
     """Row-count class of an elementwise op: the bits never depend on it, the launch grid does."""
     return "one row" if n_rows == 1 else "rows"

@@ -10,6 +10,7 @@ from exactdit.kernels import elementwise as kernels
 from exactdit.ops._common import (
     dtype_support,
     layout,
+    n_rows,
     new_outputs,
     require_broadcast,
     require_tensors,
@@ -17,9 +18,6 @@ from exactdit.ops._common import (
     unit_stride_support,
 )
 
-
-def _n_rows(x: torch.Tensor) -> int:
-    return x.numel() // max(1, x.shape[-1]) if x.dim() else 1
 
 
 # residual_gate_add --------------------------------------------------------------------------
@@ -43,7 +41,7 @@ def _rga_unsupported(residual, update, gate):
 
 def _rga_signature(residual, update, gate):
     s = residual.shape
-    return (residual.dtype, s[-1], rows_class(_n_rows(residual)), layout(residual, s), layout(update, s), layout(gate, s))
+    return (residual.dtype, s[-1], rows_class(n_rows(residual)), layout(residual, s), layout(update, s), layout(gate, s))
 
 
 def _rga_fused(residual, update, gate):
@@ -86,7 +84,7 @@ def _mod_unsupported(x, scale, shift, upcast):
 
 def _mod_signature(x, scale, shift, upcast):
     s = x.shape
-    return (bool(upcast), x.dtype, s[-1], rows_class(_n_rows(x)), layout(x, s), layout(scale, s), layout(shift, s))
+    return (bool(upcast), x.dtype, s[-1], rows_class(n_rows(x)), layout(x, s), layout(scale, s), layout(shift, s))
 
 
 def _mod_fused(x, scale, shift, upcast):

@@ -13,7 +13,15 @@ from exactdit import references
 from exactdit.gate import FusedOp, dispatch
 from exactdit.kernels import geglu as kernels
 from exactdit.numerics import cuda_libdevice
-from exactdit.ops._common import dtype_support, layout, new_outputs, require_tensors, rows_class, unit_stride_support
+from exactdit.ops._common import (
+    dtype_support,
+    layout,
+    n_rows,
+    new_outputs,
+    require_tensors,
+    rows_class,
+    unit_stride_support,
+)
 
 
 def _split(gate, up):
@@ -50,7 +58,7 @@ def _unsupported(gate, up):
 def _signature(gate, up):
     g, u = _split(gate, up)
     s = g.shape
-    return (kernels.GELU_FORM, up is None, g.dtype, s[-1], rows_class(g.numel() // s[-1]), layout(g, s), layout(u, s))
+    return (kernels.GELU_FORM, up is None, g.dtype, s[-1], rows_class(n_rows(g)), layout(g, s), layout(u, s))
 
 
 def _fused(gate, up):

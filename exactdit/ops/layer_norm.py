@@ -21,6 +21,7 @@ from exactdit.kernels import layer_norm as kernels
 from exactdit.ops._common import (
     dtype_support,
     layout,
+    n_rows,
     new_outputs,
     require_broadcast,
     require_tensors,
@@ -28,9 +29,6 @@ from exactdit.ops._common import (
     unit_stride_support,
 )
 
-
-def _n_rows(x: torch.Tensor) -> int:
-    return x.numel() // max(1, x.shape[-1]) if x.dim() else 1
 
 
 def _validate(op, x, eps, weight, bias):
@@ -69,7 +67,7 @@ def _unsupported(x, weight, bias, scale=None, shift=None):
 def _signature(x, weight, bias, *operands):
     s = x.shape
     return (
-        x.dtype, s[-1], rows_class(_n_rows(x)), layout(x, s), weight is not None, bias is not None,
+        x.dtype, s[-1], rows_class(n_rows(x)), layout(x, s), weight is not None, bias is not None,
         tuple(layout(t, s) for t in operands), tuple(sorted(kernels.CHOICES.items())),
     )
 

@@ -23,6 +23,7 @@ from exactdit.ops._common import (
     KERNEL_DTYPES,
     dtype_support,
     layout,
+    n_rows,
     new_outputs,
     require_broadcast,
     require_tensors,
@@ -30,14 +31,11 @@ from exactdit.ops._common import (
 )
 
 
-def _n_rows(x: torch.Tensor) -> int:
-    return x.numel() // max(1, x.shape[-1]) if x.dim() else 1
-
 
 def reduce_config(x: torch.Tensor):
     """The single ATen reduce launch for ``x.float().pow(2).mean(-1)``, or a reason string when
     ATen's order is not reproduced for this shape."""
-    return _reduce_config(_n_rows(x), x.shape[-1])
+    return _reduce_config(n_rows(x), x.shape[-1])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -70,8 +68,8 @@ def copy_row_strides(x: torch.Tensor):
     so, si = row_strides(x, shape)
     if _dense(x):
         return so, si
-    n_rows, inner, D = rows_of(shape)
-    outer = n_rows // inner
+    rows, inner, D = rows_of(shape)
+    outer = rows // inner
     if outer == 1 or inner == 1 or so >= si * inner:
         return inner * D, D
     return None
@@ -131,8 +129,10 @@ _mean_factor = functools.lru_cache(maxsize=1024)(mean_factor)
 
 def _launch(x, weight, eps, out, **kw):
     cfg = reduce_config(x)
-    factor = _mean_factor(_n_rows(x), x.shape[-1])
-    return kernels.rms_norm_rows(x, weight, eps, factor, cfg, out, copy_strides=copy_row_strides(x), **kw)
+    factor = _mean_factor(n_rows(x), x.shape[-1])
+    # only misaligned rows (D % 4 != 0) depend on the layout of ATen's fp32 copy
+    copy_strides = copy_row_strides(x) if x.shape[-1] % 4 else None
+    return kernels.rms_norm_rows(x, weight, eps, factor, cfg, out, copy_strides=copy_strides, **kw)
 
 
 # rms_norm -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import exactdit  # noqa: E402
 from exactdit.gate import first_difference  # noqa: E402
 from exactdit.harness.metrics import md5_tensor as md5  # noqa: E402
 from exactdit.harness.sampling import forward, forward_inputs, latent_hw_for, make_inputs, sample, synchronize  # noqa: E402
-from exactdit.harness.tiny import build_transformer  # noqa: E402
+from exactdit.harness.tiny import build_transformer, dtype_from_name  # noqa: E402
 
 #: CPU only for a smoke run of this script (tiny config); the proof is for the GPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,7 +54,9 @@ def elapsed() -> float:
 
 
 def build(name):
-    return build_transformer(name, seed=0, dtype=torch.bfloat16, device=DEVICE)
+    """``config`` or ``config@dtype`` (bf16 unless named)."""
+    config, _, dtype = name.partition("@")
+    return build_transformer(config, seed=0, dtype=dtype_from_name(dtype or "bf16"), device=DEVICE)
 
 
 def inputs(model, height, width, text_lens):
@@ -160,6 +162,8 @@ def main():
         "full": [(1024, 1024, 8), (512, 512, 50), (1024, 1024, 50)],
         "small": [(1024, 1024, 8), (1024, 1024, 50)],
         "tiny": [(1024, 1024, 8), (1024, 1024, 50)],
+        "diffusers_test": [(256, 256, 8), (256, 256, 50)],
+        "diffusers_test@fp32": [(256, 256, 8)],
     }
     if DEVICE != "cuda":  # smoke run of this script on a CPU machine
         plan = {"tiny": [(256, 256, 3)]}

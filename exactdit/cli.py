@@ -11,7 +11,7 @@ import sys
 
 import click
 
-CONFIG_CHOICES = ("tiny", "small", "full")
+CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.tiny.CONFIGS
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

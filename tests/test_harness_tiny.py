@@ -93,3 +93,9 @@ def test_forward_inputs_pad_text_and_are_seeded():
     assert out.shape == kw["hidden_states"].shape and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="text_lens"):
         forward_inputs(model, latent_hw=(2, 2), text_lens=[])
+
+
+def test_cli_offers_every_embedded_config():
+    from exactdit.cli import CONFIG_CHOICES
+
+    assert set(CONFIG_CHOICES) == set(CONFIGS)

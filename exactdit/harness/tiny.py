@@ -42,6 +42,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "text_len": 24,
         "neg_text_len": 7,
     },
+    # the configuration diffusers' own ERNIE-Image model tests use (tests/models/transformers/
+    # test_models_transformer_ernie_image.py): one layer, one 16-wide head, 16x16 latent, 16 text tokens
+    "diffusers_test": {
+        "model": dict(
+            hidden_size=16,
+            num_attention_heads=1,
+            num_layers=1,
+            ffn_hidden_size=16,
+            in_channels=16,
+            out_channels=16,
+            patch_size=1,
+            text_in_dim=16,
+            rope_theta=256,
+            rope_axes_dim=(8, 4, 4),
+            eps=1e-6,
+            qk_layernorm=True,
+        ),
+        "latent_hw": (16, 16),
+        "text_len": 16,
+        "neg_text_len": 5,
+    },
     "small": {
         "model": dict(
             hidden_size=1024,

@@ -1,7 +1,8 @@
 """Benchmark qk_norm_rope and geglu at ERNIE-Image's shapes: eager vs torch.compile vs exactdit
 vs the copy-bandwidth floor.
 
-Run on a CUDA GPU from the repository root: ``python benchmarks/bench_rope_geglu.py``.
+Run on a CUDA GPU from the repository root: ``python benchmarks/bench_rope_geglu.py``
+(``--tune``: only a launch-shape sweep of qk_norm_rope).
 GPU times are medians of CUDA-graph replays (launch overhead excluded, as in a GPU-bound
 model); ``exactdit_call_us`` is the plain per-call time including Python dispatch. The floor is
 the bytes the op must move (q and k read and written; gate and up read, the product written;
@@ -12,6 +13,7 @@ table and writes ``bench_rope_geglu.json`` (to $OUT when set).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -53,8 +55,35 @@ def _equal(a, b) -> bool:
     return all(bool(torch.equal(x, y)) for x, y in zip(a, b))
 
 
+def tune(bw):
+    """qk_norm_rope launch sweep (elements per program x warps) at 1 x 4224 x 32 x 128."""
+    from exactdit.kernels import rope
+
+    name, shape, args, op, ref, nbytes = next(cases())
+    expected = ref(*args)
+    rows = []
+    os.environ["EXACTDIT_TRUST"] = "1"
+    for elements, warps in itertools.product([1024, 2048, 4096, 8192, 16384], [2, 4, 8, 16]):
+        rope.ROW_BLOCK_ELEMENTS, rope.NUM_WARPS = elements, warps
+        try:
+            exact = _equal(op(*args), expected)  # compiles this launch shape outside the graph
+            us = graph_median_ms(lambda: op(*args)) * 1e3
+        except Exception as e:  # noqa: BLE001 - resource limits of a launch shape
+            print(f"skip {elements} elements x {warps} warps: {type(e).__name__}")
+            continue
+        rows.append({"elements": elements, "warps": warps, "us": us, "x_floor": us / (nbytes / (bw * 1e9) * 1e6),
+                     "bit_exact": exact})
+    os.environ.pop("EXACTDIT_TRUST")
+    rows.sort(key=lambda r: r["us"])
+    print(table(rows[:8], ["elements", "warps", "us", "x_floor", "bit_exact"]))
+    return rows
+
+
 def main():
     bw = copy_bandwidth_gbs()
+    if "--tune" in sys.argv:
+        print(write_json("bench_rope_geglu_tune.json", {"env": environment(), "copy_gbs": bw, "tune": tune(bw)}))
+        return
     rows = []
     for name, shape, args, op, ref, nbytes in cases():
         assert _equal(op(*args), ref(*args))  # verifies the signature

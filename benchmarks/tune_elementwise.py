@@ -1,12 +1,15 @@
 """Sweep the elementwise kernels' tile (elements per program, widest tile, warps) on a GPU.
 
-``python benchmarks/tune_elementwise.py``: prints GPU time (CUDA-graph replay medians) per
-tile for residual_gate_add and both modulate chains at [4224, 4096] and [2, 4224, 4096] bf16,
-as a percentage of the copy bandwidth measured in the same run; writes tune_elementwise.json.
+``python benchmarks/tune_elementwise.py [--only NAME]``: prints GPU time (CUDA-graph replay
+medians) per tile for residual_gate_add and both modulate chains at [4224, 4096] and
+[4224, 2, 4096] bf16, and GeGLU at [4224, 12288] and [2, 4224, 12288], as a percentage of the copy
+bandwidth measured in the same run; writes tune_elementwise.json. ``--only`` keeps the ops whose
+name contains NAME.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -20,23 +23,31 @@ from common import copy_bandwidth_gbs, environment, graph_median_ms, table, writ
 
 from exactdit.kernels import rows  # noqa: E402
 from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD  # noqa: E402
+from exactdit.ops.geglu import GEGLU  # noqa: E402
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    only = ap.parse_args().only
     bw = copy_bandwidth_gbs()
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    for shape in [(4224, 4096), (4224, 2, 4096)]:
+    for shape in [(4224, 4096), (4224, 2, 4096), (4224, 12288), (2, 4224, 12288)]:
         x, u = (torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
         # ERNIE-Image's layout: [S, B, D] activations, [1, B, D] modulation vectors
         vec_shape = (1, shape[1], shape[-1]) if len(shape) == 3 else (shape[-1],)
         vec = torch.randn(*vec_shape, device="cuda", generator=g).to(torch.bfloat16)
         act = x.numel() * 2
-        cases = [
-            ("residual_gate_add", lambda: RESIDUAL_GATE_ADD.fused(x, u, vec), 3 * act),
-            ("modulate fp32 chain", lambda: MODULATE.fused(x, vec, vec, True), 2 * act),
-            ("modulate native", lambda: MODULATE.fused(x, vec, vec, False), 2 * act),
-        ]
+        if shape[-1] == 12288:
+            cases = [("geglu", lambda: GEGLU.fused(x, u), 3 * act)]
+        else:
+            cases = [
+                ("residual_gate_add", lambda: RESIDUAL_GATE_ADD.fused(x, u, vec), 3 * act),
+                ("modulate fp32 chain", lambda: MODULATE.fused(x, vec, vec, True), 2 * act),
+                ("modulate native", lambda: MODULATE.fused(x, vec, vec, False), 2 * act),
+            ]
+        cases = [c for c in cases if only in c[0]]
         for elements, max_width, warps in itertools.product([2048, 4096, 8192, 16384], [1024, 2048], [4, 8, 16]):
             if warps * 32 * 2 > elements:
                 continue

@@ -240,7 +240,8 @@ def test_signature_holds_the_emulated_config_not_m():
 
 
 def test_launch_shape_does_not_change_the_bits():
-    """Rows per program, warps and unrolling change the launch, never the arithmetic."""
+    """Rows per program, warps, unrolling and the pass-2 tile width change the launch, never the
+    arithmetic (a tail narrower than the chunk and wider than the row included)."""
     from exactdit.aten_reduce import mean_factor
     from exactdit.kernels.rms_norm import rms_norm_rows
 
@@ -248,11 +249,22 @@ def test_launch_shape_does_not_change_the_bits():
     x = activation("sbd", 20, 2, 512, torch.bfloat16, DEVICE, g)
     sc = modulation("inner", x.shape, torch.bfloat16, DEVICE, g)
     ref = references.modulate(model_rms_norm(x, None, EPS), sc, sc, upcast=True)
-    for rows, warps, unroll in [(1, 1, 1), (2, 2, 2), (16, 8, 4), (4, 4, 8)]:
-        out = torch.empty_like(ref)
+    u = activation("sbd", 20, 2, 512, torch.bfloat16, DEVICE, g)
+    new_res = references.residual_gate_add(x, u, sc)
+    gated_ref = references.modulate(model_rms_norm(new_res, None, EPS), sc, sc, upcast=True)
+    cases = [(1, 1, 1, None), (2, 2, 2, 32), (16, 8, 4, None), (4, 4, 8, 1024), (4, 4, 1, 128), (1, 4, 2, 512)]
+    for rows, warps, unroll, tail in cases:
+        label = f"rows={rows} warps={warps} unroll={unroll} tail={tail}"
+        out = torch.full_like(ref, float("nan"))
         rms_norm_rows(x, None, EPS, mean_factor(40, 512), reduce_config(x), out, scale=sc, shift=sc, upcast=True,
-                      rows_per_program=rows, num_warps=warps, unroll_factor=unroll)
-        assert_bits_equal(out, ref, f"rows={rows} warps={warps} unroll={unroll}")
+                      rows_per_program=rows, num_warps=warps, unroll_factor=unroll, tail=tail)
+        assert_bits_equal(out, ref, label)
+        out, res = torch.full_like(ref, float("nan")), torch.full_like(ref, float("nan"))
+        rms_norm_rows(x, None, EPS, mean_factor(40, 512), reduce_config(x), out, update=u, gate=sc,
+                      new_residual=res, scale=sc, shift=sc, upcast=True,
+                      rows_per_program=rows, num_warps=warps, unroll_factor=unroll, tail=tail)
+        assert_bits_equal(res, new_res, "new residual " + label)
+        assert_bits_equal(out, gated_ref, "gated " + label)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -75,10 +75,11 @@ def _row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.con
 
 @triton.jit
 def _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row, c, mask,
-                   DTYPE: tl.constexpr, GATED: tl.constexpr):
+                   DTYPE: tl.constexpr, GATED: tl.constexpr, EVICT: tl.constexpr):
     """fp32 squares of one chunk of the rows (0 where masked). GATED: the rows are the new
-    residual ``x + (g.float() * u.float()).to(DTYPE)``, stored to ``res_ptr`` on the way."""
-    v = tl.load(x_ptr + x_row + c, mask=mask, other=0.0).to(tl.float32)
+    residual ``x + (g.float() * u.float()).to(DTYPE)``, stored to ``res_ptr`` on the way.
+    EVICT: L2 eviction hint for the row loads (pass 2 reads the rows again)."""
+    v = tl.load(x_ptr + x_row + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if GATED:
         u = tl.load(update_ptr + u_row + c, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + g_row + c, mask=mask, other=0.0).to(tl.float32)
@@ -96,7 +97,8 @@ def rms_norm_kernel(
     GATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, MODULATE: tl.constexpr,
     HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, WRITE_VAR: tl.constexpr, WRITE_OUT: tl.constexpr,
     VECTORIZED: tl.constexpr, MISALIGNED: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr, LOG_BW: tl.constexpr,
-    LOG_WY: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
+    LOG_WY: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, TAIL: tl.constexpr,
+    PASS1_EVICT: tl.constexpr, PASS2_EVICT: tl.constexpr,
 ):
     """One kernel for ``rms_norm``, ``rms_norm_modulate`` and ``gated_rms_norm_modulate``.
 
@@ -112,7 +114,9 @@ def rms_norm_kernel(
     half weight ``h`` is rounded to the weight dtype and ``h * w`` rounded to it; with an fp32
     weight ``h * w`` in fp32; without a weight ``h`` rounded to OUT. MODULATE then applies
     ``modulate_values`` (OUT-typed scale/shift unless UPCAST) and rounds once to OUT.
-    WRITE_VAR stores the fp32 variance per row (diagnostics); WRITE_OUT=False skips pass 2.
+    WRITE_VAR stores the fp32 variance per row (diagnostics); WRITE_OUT=False skips pass 2, which
+    walks the rows in [ROWS, TAIL] tiles.
+    PASS1_EVICT / PASS2_EVICT: L2 eviction hints for the row loads of each pass (no effect on bits).
     """
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     OUT: tl.constexpr = out_ptr.dtype.element_ty
@@ -148,21 +152,21 @@ def rms_norm_kernel(
             head = p - s
             head_ok = row_ok[:, None] & first & (head >= 0) & (head < start)
             acc = _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
-                                 tl.where(head_ok, head, 0), head_ok, DTYPE, GATED)
+                                 tl.where(head_ok, head, 0), head_ok, DTYPE, GATED, PASS1_EVICT)
         for j in tl.range(0, n_chunks, loop_unroll_factor=UNROLL):  # sequential adds, any unrolling
             c = start + j * C + cols[None, :]
             acc = add_rn(acc, _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
-                                             c, row_ok[:, None] & (c < vec_end), DTYPE, GATED))
+                                             c, row_ok[:, None] & (c < vec_end), DTYPE, GATED, PASS1_EVICT))
         if MISALIGNED:
             tail = vec_end + p
             tail_ok = row_ok[:, None] & first & (tail < width)
             acc = add_rn(acc, _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
-                                             tl.where(tail_ok, tail, 0), tail_ok, DTYPE, GATED))
+                                             tl.where(tail_ok, tail, 0), tail_ok, DTYPE, GATED, PASS1_EVICT))
     else:
         for j in tl.static_range(CHUNKS):  # n_chunks <= 4 here; chunk j feeds accumulator j % 4
             c = j * C + cols[None, :]
             sq = _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_row,
-                                c, row_ok[:, None] & (c < width), DTYPE, GATED)
+                                c, row_ok[:, None] & (c < width), DTYPE, GATED, PASS1_EVICT)
             if j % 4 == 0:
                 acc = add_rn(acc, sq)
             elif j % 4 == 1:
@@ -190,10 +194,11 @@ def rms_norm_kernel(
         if MODULATE:
             sc_row = row_offsets(rows, inner, sc_so, sc_si)[:, None]
             sh_row = row_offsets(rows, inner, sh_so, sh_si)[:, None]
-        for j in tl.range(0, n_chunks, loop_unroll_factor=UNROLL):
-            c = j * C + cols[None, :]
+        # any tiling is exact here (elementwise); TAIL-wide tiles keep loads and stores wide
+        for j in tl.range(0, tl.cdiv(width, TAIL), loop_unroll_factor=UNROLL):
+            c = j * TAIL + tl.arange(0, TAIL)[None, :]
             mask = row_ok[:, None] & (c < width)
-            v = tl.load(src_ptr + src_row + c, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(src_ptr + src_row + c, mask=mask, other=0.0, eviction_policy=PASS2_EVICT).to(tl.float32)
             y = mul_rn(v, rstd)
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + c, mask=c < width, other=0.0).to(tl.float32)
@@ -210,19 +215,29 @@ def rms_norm_kernel(
             tl.store(out_ptr + o_row + c, round_to(y, OUT), mask=mask)
 
 
-def launch_shape(chunk: int, n_rows: int) -> tuple[int, int, int]:
-    """Default (ROWS, num_warps, UNROLL): ~512 elements per chunk tile, 4 warps, chunk loops
-    unrolled 4 times (more loads in flight; the accumulation order is unchanged). ROWS does not
-    follow small row counts (masked rows cost little; fewer compiled variants). Chosen by
-    ``bench_rms_norm.py --tune-quick`` on an H200 (4 rows of 4096: 32.3 us against 36.7 us for
-    8 rows, see BENCHMARKS.md)."""
-    return max(1, 512 // chunk), 4, 4
+#: L2 eviction hints (pass 1, pass 2) for the row loads: pass 2 re-reads the rows pass 1 read.
+L2_HINTS = ("", "")
+
+
+def launch_shape(chunk: int, width: int) -> tuple[int, int, int, int]:
+    """Default (ROWS, num_warps, UNROLL, TAIL): ~512 elements per pass-1 chunk tile, 4 warps,
+    loops unrolled twice (more loads in flight; the accumulation order is unchanged), pass-2
+    tiles of ~2048 elements. ROWS does not follow small row counts (masked rows cost little;
+    fewer compiled variants). Chosen by ``bench_rms_norm.py --tune-quick`` on an H200: at
+    [4224, 4096] 24.5 us (gated 49.7 us) against 27.4 us (63.7 us) with 128-wide pass-2 tiles
+    and 4x unrolling."""
+    rows = max(1, 512 // chunk)
+    return rows, 4, 2, min(_pow2_at_least(width), max(chunk, 2048 // rows))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def rms_norm_rows(
     x, weight, eps, factor, cfg, out, *, update=None, gate=None, new_residual=None,
     scale=None, shift=None, upcast=False, variance=None, write_out=True,
-    copy_strides=None, rows_per_program=None, num_warps=None, unroll_factor=None,
+    copy_strides=None, rows_per_program=None, num_warps=None, unroll_factor=None, tail=None, l2_hints=None,
 ):
     """Launch :func:`rms_norm_kernel` over ``x``'s rows.
 
@@ -246,8 +261,11 @@ def rms_norm_rows(
     wy = cfg.warps_per_row
     chunk = 4 * bw * wy if cfg.vectorize_input else bw * wy
     chunks = -(-D // chunk)
-    rows, warps, unroll = launch_shape(chunk, n_rows)
+    rows, warps, unroll, tail_block = launch_shape(chunk, D)
+    if rows_per_program and not tail:
+        tail_block = min(_pow2_at_least(D), max(chunk, 2048 // rows_per_program))
     rows = rows_per_program or rows
+    tail_block = tail or tail_block
     warps = num_warps or warps
     unroll = unroll_factor or unroll
     dummy = x
@@ -269,7 +287,8 @@ def rms_norm_rows(
         HAS_SHIFT=shift is not None, UPCAST=bool(upcast), WRITE_VAR=variance is not None,
         WRITE_OUT=bool(write_out), VECTORIZED=bool(cfg.vectorize_input), MISALIGNED=misaligned, BW=bw, WY=wy,
         LOG_BW=bw.bit_length() - 1, LOG_WY=wy.bit_length() - 1,
-        CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll,
+        CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll, TAIL=tail_block,
+        PASS1_EVICT=(l2_hints or L2_HINTS)[0], PASS2_EVICT=(l2_hints or L2_HINTS)[1],
         num_warps=warps, **LAUNCH_OPTIONS,
     )
     return out

@@ -7,7 +7,9 @@
 - graph: CUDA-event median of replaying a captured CUDA graph of the forward (no host cost);
 - kernels: sum of GPU kernel durations in one profiled forward, and the idle gaps between them;
 - host per exactdit op: perf_counter around each fused-op call during one forward;
-- runtime calls that block the host (synchronize, device-to-host copies), counted.
+- runtime calls that block the host (synchronize, device-to-host copies), counted;
+- median SM clock and board power while the forward runs back to back (nvidia-smi);
+- host cost of one call: an empty Triton kernel, a fused op's launcher, the op through the gate.
 
 Run on a CUDA GPU from the repository root: ``python benchmarks/profile_ernie.py``; prints
 Markdown and writes ``profile_ernie.json`` to $OUT.
@@ -23,6 +25,7 @@ import time
 from collections import Counter, defaultdict
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +156,60 @@ def host_per_site(fn) -> dict:
     return {"forward_host_ms": total, "sites": sorted(rows, key=lambda r: -r["host_ms"])}
 
 
+def clocks_while(fn, seconds: float = 4.0) -> dict:
+    """Median SM clock (MHz) and board power (W) sampled by nvidia-smi every 100 ms while ``fn``
+    runs back to back for ``seconds`` (None where nvidia-smi is missing)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return {"sm_mhz": None, "power_w": None}
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    t = time.time()
+    while time.time() - t < seconds:
+        fn()
+        torch.cuda.synchronize()
+    smi.terminate()
+    samples = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
+    clocks = [float(a) for a, _ in samples[len(samples) // 4:]]  # skip the ramp-up
+    power = [float(b) for _, b in samples[len(samples) // 4:]]
+    return {"sm_mhz": statistics.median(clocks) if clocks else None,
+            "power_w": statistics.median(power) if power else None, "samples": len(samples)}
+
+
+@triton.jit
+def _empty_kernel(a, b, c, n):
+    pass
+
+
+def launch_costs(reps: int = 300) -> list[dict]:
+    """Host microseconds per call, on tiny tensors (the GPU keeps up): an empty Triton kernel,
+    residual_gate_add's launcher alone (no gate), the public op (gate + launcher)."""
+    from exactdit import ops
+    from exactdit.ops.elementwise import RESIDUAL_GATE_ADD
+
+    x = torch.randn(8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "empty triton kernel (4 args)": lambda: _empty_kernel[(1,)](x, x, x, 8),
+        "residual_gate_add launcher": lambda: RESIDUAL_GATE_ADD.fused(x, x, g),
+        "ops.residual_gate_add (gate + launcher)": lambda: ops.residual_gate_add(x, x, g),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "eager x + g * x": lambda: x + g * x,
+    }
+    rows = []
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rows.append({"call": name, "host_us": (time.perf_counter() - t) / reps * 1e6})
+        torch.cuda.synchronize()
+    return rows
+
+
 def main():
     t0 = time.time()
     model = build_transformer(CONFIG, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -173,6 +230,7 @@ def main():
         row["graph_ms"] = cuda_median_ms(replay)
         row["graph_equal"] = bool(torch.equal(static, ref))
         del replay, static
+        row.update(clocks_while(run))
         prof = profile_once(run)
         row.update(kernels=prof["kernels"], kernel_ms=prof["kernel_ms"], idle_ms=prof["idle_ms"],
                    **{f"{k}_ms": prof["kernel_ms_by_kind"].get(k, 0.0) for k in ("gemm", "attention", "other")})
@@ -182,7 +240,7 @@ def main():
         rows.append(row)
         print(f"[{time.time() - t0:.0f}s] {row}", flush=True)
     cols = ["model", "wall_ms", "host_ms", "graph_ms", "kernel_ms", "gemm_ms", "attention_ms", "other_ms", "idle_ms",
-            "kernels", "equal", "graph_equal"]
+            "kernels", "sm_mhz", "power_w", "equal", "graph_equal"]
     env = environment()
     print(f"\nERNIE-Image {CONFIG} {HEIGHT}x{WIDTH} B=1 bf16, {env['gpu']}\n")
     print(table(rows, cols))
@@ -201,7 +259,11 @@ def main():
     host = details["exactdit"]["host"]
     print(f"\nexactdit host time to issue one forward: {host['forward_host_ms']:.1f} ms; per fused site:\n")
     print(table(host["sites"], ["site", "calls", "host_ms", "us_per_call"]))
-    path = write_json("profile_ernie.json", {"environment": env, "config": CONFIG, "rows": rows, "details": details})
+    launches = launch_costs()
+    print("\nhost cost of one call (tiny tensors):\n")
+    print(table(launches, ["call", "host_us"]))
+    path = write_json("profile_ernie.json", {"environment": env, "config": CONFIG, "rows": rows, "details": details,
+                                             "launch_costs": launches})
     print(f"\nwrote {path} ({time.time() - t0:.0f} s)")
 
 

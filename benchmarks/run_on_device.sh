@@ -2,7 +2,9 @@
 # Everything the H200 runs, in stages, logs under $OUT (the device tool brings them back).
 #   bash benchmarks/run_on_device.sh tests     GPU test suite (torch.equal vs CUDA eager)
 #   bash benchmarks/run_on_device.sh ops       per-op benchmarks
-#   bash benchmarks/run_on_device.sh ernie     full-model equality + model benchmark
+#   bash benchmarks/run_on_device.sh equality  full-model equality (ernie_equality.py)
+#   bash benchmarks/run_on_device.sh model     model benchmark + profile (bench_ernie.py, profile_ernie.py)
+#   bash benchmarks/run_on_device.sh ernie     equality + model
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
@@ -25,11 +27,15 @@ for stage in "$@"; do
     tune)
       timeout 200 python3 benchmarks/tune_elementwise.py 2>&1 | tee "$OUT/tune_elementwise.log" | tail -12 ;;
     ops)
-      for b in benchmarks/bench_elementwise.py benchmarks/bench_rms_norm.py benchmarks/bench_layer_norm.py benchmarks/bench_rope_geglu.py; do
-        [ -f "$b" ] && timeout 200 python3 "$b" 2>&1 | tee -a "$OUT/bench_ops.log" | tail -14
+      for b in "bench_elementwise.py" "bench_rms_norm.py --no-sweep" "bench_layer_norm.py" "bench_rope_geglu.py"; do
+        timeout 200 python3 benchmarks/$b 2>&1 | tee -a "$OUT/bench_ops.log" | tail -14
       done ;;
+    equality)
+      ERNIE_EQ_BUDGET_S=${ERNIE_EQ_BUDGET_S:-150} timeout 260 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -32 ;;
+    model)
+      ERNIE_BENCH_BUDGET_S=${ERNIE_BENCH_BUDGET_S:-120} timeout 270 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -25
+      timeout 150 python3 benchmarks/profile_ernie.py 2>&1 | tee "$OUT/profile_ernie.log" | grep -v Warn | tail -40 ;;
     ernie)
-      ERNIE_EQ_BUDGET_S=${ERNIE_EQ_BUDGET_S:-150} timeout 230 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -25
-      ERNIE_BENCH_BUDGET_S=${ERNIE_BENCH_BUDGET_S:-120} timeout 270 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -25 ;;
+      bash "$0" equality model ;;
   esac
 done

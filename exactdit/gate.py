@@ -7,8 +7,9 @@ the bits, and the kernel launcher. :func:`dispatch` routes each call:
 1. malformed call -> ``ValueError`` (the same on every path);
 2. fast paths switched off, or inputs the kernel does not support -> eager, counted with why;
 3. first call of a signature on this device -> run both, compare bit for bit (and layout); on a
-   mismatch disable that signature for the process, warn with the first differing element and
-   return the eager result; otherwise remember it as verified;
+   mismatch (or when the kernel raises, e.g. cannot compile) disable that signature for the
+   process, warn with the first differing element (or the error) and return the eager result;
+   otherwise remember it as verified;
 4. verified signature -> kernel only, no host sync.
 
 Verification needs a host sync, so while torch.compile traces or a CUDA graph is captured an
@@ -40,7 +41,7 @@ Reason = str
 
 
 class ExactditMismatchWarning(RuntimeWarning):
-    """A fused kernel disagreed with eager; its signature now runs eager."""
+    """A fused kernel disagreed with eager (or raised); its signature now runs eager."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,22 +213,31 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     _local.verifying = True
     try:
         out = op.fused(*args)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch must not break the model
+        out, failure = None, f"the fused kernel raised {type(e).__name__}: {_last_line(e)}"
+    else:
+        failure = None
     finally:
         _local.verifying = False
     ref = op.reference(*args)
-    problem = first_difference(out, ref)
+    problem = failure or first_difference(out, ref)
     if problem is None:
         with _lock:
             st.verified.add(sig)
             st.fused += 1
         return out
-    message = f"exactdit: {op.name} disagreed with eager for signature {sig}: {problem}; this signature now runs eager"
+    message = f"exactdit: {op.name} failed verification for signature {sig}: {problem}; this signature now runs eager"
     with _lock:
         st.disabled[sig] = problem
     _count_eager(st, "mismatch at verification")
     logger.warning(message)
     warnings.warn(message, ExactditMismatchWarning, stacklevel=3)
     return ref
+
+
+def _last_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[-1][:300] if lines else ""
 
 
 def _plan(op: FusedOp, args: tuple) -> tuple[Reason | None, tuple | None]:

@@ -52,7 +52,7 @@ def _run(op, *args):
 def test_mismatch_disables_the_signature_warns_and_returns_eager():
     op = _op("wrong")
     args = _args()
-    with pytest.warns(ExactditMismatchWarning, match=r"wrong disagreed with eager .* first at index \(0, 0\)"):
+    with pytest.warns(ExactditMismatchWarning, match=r"wrong failed verification .* first at index \(0, 0\)"):
         out = _run(op, *args)
     assert torch.equal(out, references.residual_gate_add(*args))
     out2 = _run(op, *args)  # disabled now: eager, no second warning, kernel not called again
@@ -61,6 +61,25 @@ def test_mismatch_disables_the_signature_warns_and_returns_eager():
     assert rep["fused"] == 0 and rep["eager"] == 2
     assert rep["eager_reasons"] == {"mismatch at verification": 1, "disabled after a mismatch": 1}
     assert len(rep["disabled"]) == 1 and "128 of 128 elements differ" in next(iter(rep["disabled"].values()))
+
+
+def test_a_kernel_that_raises_is_disabled_and_eager_answers():
+    """A kernel that cannot compile or launch for a signature must not break the model."""
+    calls = []
+
+    def broken(r, u, g):
+        calls.append(1)
+        raise RuntimeError("CompilationError at 106:8:\nLoop-carried variable c changes shape")
+
+    op = FusedOp("broken", references.residual_gate_add, broken, lambda r, u, g: None, lambda r, u, g: (r.dtype,))
+    args = _args()
+    with pytest.warns(ExactditMismatchWarning, match="raised RuntimeError: Loop-carried variable c changes shape"):
+        out = _run(op, *args)
+    assert torch.equal(out, references.residual_gate_add(*args))
+    assert torch.equal(_run(op, *args), references.residual_gate_add(*args))
+    assert len(calls) == 1  # disabled after the first failure
+    rep = exactdit.report(show=False)["broken"]
+    assert rep["eager_reasons"] == {"mismatch at verification": 1, "disabled after a mismatch": 1}
 
 
 def test_other_signatures_stay_enabled_after_a_mismatch():

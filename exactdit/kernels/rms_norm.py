@@ -195,24 +195,26 @@ def rms_norm_kernel(
             sc_row = row_offsets(rows, inner, sc_so, sc_si)[:, None]
             sh_row = row_offsets(rows, inner, sh_so, sh_si)[:, None]
         # any tiling is exact here (elementwise); TAIL-wide tiles keep loads and stores wide
-        for j in tl.range(0, tl.cdiv(width, TAIL), loop_unroll_factor=UNROLL):
-            c = j * TAIL + tl.arange(0, TAIL)[None, :]
-            mask = row_ok[:, None] & (c < width)
-            v = tl.load(src_ptr + src_row + c, mask=mask, other=0.0, eviction_policy=PASS2_EVICT).to(tl.float32)
+        # (own names: pass 1's unrolled scalar loop leaves a [1, C]-shaped ``c`` in scope, which a
+        # [1, TAIL] reassignment here would turn into a loop-carried variable of another shape)
+        for t in tl.range(0, tl.cdiv(width, TAIL), loop_unroll_factor=UNROLL):
+            tc = t * TAIL + tl.arange(0, TAIL)[None, :]
+            mask = row_ok[:, None] & (tc < width)
+            v = tl.load(src_ptr + src_row + tc, mask=mask, other=0.0, eviction_policy=PASS2_EVICT).to(tl.float32)
             y = mul_rn(v, rstd)
             if HAS_WEIGHT:
-                w = tl.load(weight_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + tc, mask=tc < width, other=0.0).to(tl.float32)
                 if WDTYPE != tl.float32:
                     y = rounded(y, WDTYPE)
                 y = mul_rn(y, w)
             if MODULATE:
                 y = rounded(y, OUT)
-                scale = tl.load(scale_ptr + sc_row + c, mask=mask, other=0.0).to(tl.float32)
+                scale = tl.load(scale_ptr + sc_row + tc, mask=mask, other=0.0).to(tl.float32)
                 shift = scale
                 if HAS_SHIFT:
-                    shift = tl.load(shift_ptr + sh_row + c, mask=mask, other=0.0).to(tl.float32)
+                    shift = tl.load(shift_ptr + sh_row + tc, mask=mask, other=0.0).to(tl.float32)
                 y = modulate_values(y, scale, shift, OUT, HAS_SHIFT, UPCAST)
-            tl.store(out_ptr + o_row + c, round_to(y, OUT), mask=mask)
+            tl.store(out_ptr + o_row + tc, round_to(y, OUT), mask=mask)
 
 
 #: L2 eviction hints (pass 1, pass 2) for the row loads: pass 2 re-reads the rows pass 1 read.

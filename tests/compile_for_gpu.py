@@ -1,0 +1,133 @@
+"""Compile the kernel variants exactdit's ops launch for a real GPU target, on a machine without
+a GPU (Triton's compiler and ptxas need no device), and report what the PTX contains.
+
+Triton's interpreter, which the CPU tests use, executes kernels as NumPy: it does not check what
+the compiler checks (loop-carried variables keeping their type, for one). This script runs each
+op's launcher on CPU tensors with the launch intercepted, compiles every intercepted
+(kernel, specialization) for ``sm_90`` through Triton's normal pipeline, and prints one JSON object
+per launch: kernel name, target, ok/error, and counts of the PTX instructions the numerics rely
+on. Run as a script (``python tests/compile_for_gpu.py [arch ...]``): TRITON_INTERPRET must be
+unset before Triton is imported, so tests call it in a subprocess (tests/test_compile_for_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+#: PTX instructions whose presence or absence the kernels' numerics depend on.
+PTX_COUNTS = {
+    "fma": r"\bfma\.rn(\.ftz)?\.f32\b",
+    "mul_rn": r"\bmul\.rn\.f32\b",
+    "add_rn": r"\badd\.rn\.f32\b",
+    "rsqrt_approx": r"\brsqrt\.approx\.f32\b",
+    "rsqrt_approx_ftz": r"\brsqrt\.approx\.ftz\.f32\b",
+    "div_rn": r"\bdiv\.rn\.f32\b",
+    "cvt_rn_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32\b",
+    "ftz": r"\.ftz\.",
+}
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "extern_libs")
+
+launches: list[tuple[JITFunction, dict, dict, dict]] = []
+
+
+def _capture(self, *args, grid, warmup, **kwargs):
+    """Stands in for JITFunction.run: records the launch instead of running it."""
+    bound = dict(zip(self.arg_names, args))
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+    bound.update(kwargs)
+    signature, constexprs = {}, {}
+    for param, name in zip(self.params, self.arg_names):
+        value = bound[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{self.fn.__name__}: cannot type argument {name}={value!r}")
+    launches.append((self, signature, constexprs, options))
+
+
+def cases():
+    """One call per kernel variant the ops launch (dtypes, layouts, paths)."""
+    from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD
+    from exactdit.ops.geglu import GEGLU
+    from exactdit.ops.layer_norm import LAYER_NORM, LAYER_NORM_MODULATE
+    from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM, RMS_NORM_MODULATE
+    from exactdit.ops.rope import QK_NORM_ROPE
+
+    eps = 1e-6
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.zeros(6, 2, 4096, dtype=dt)
+        vec = torch.zeros(1, 2, 4096, dtype=dt)
+        yield "residual_gate_add", dt, lambda: RESIDUAL_GATE_ADD.fused(x, x, vec)
+        yield "modulate fp32 chain", dt, lambda: MODULATE.fused(x, vec, vec, True)
+        yield "modulate native", dt, lambda: MODULATE.fused(x, vec, vec, False)
+        yield "modulate no shift", dt, lambda: MODULATE.fused(x, vec, None, False)
+        for D in (4096, 64, 100, 1001):  # vectorized, scalar (chunk-unrolled), misaligned rows
+            xd, vd = torch.zeros(300, D, dtype=dt), torch.zeros(D, dtype=dt)  # 300 rows: 32 lanes per row
+            yield f"rms_norm D={D}", dt, lambda: RMS_NORM.fused(xd, vd, eps)
+            yield f"rms_norm D={D} no weight", dt, lambda: RMS_NORM.fused(xd, None, eps)
+            yield f"rms_norm_modulate D={D}", dt, lambda: RMS_NORM_MODULATE.fused(xd, vd, eps, vd, vd, True)
+            yield f"gated_rms_norm_modulate D={D}", dt, lambda: GATED_RMS_NORM_MODULATE.fused(
+                xd, xd, vd, vd, eps, vd, vd, True)
+        yield "rms_norm fp32 weight", dt, lambda: RMS_NORM.fused(x, torch.zeros(4096), eps)
+        for head_dim in (128, 96):  # rotate-half fast path, general path
+            q = torch.zeros(1, 7, 4, head_dim, dtype=dt)
+            w = torch.zeros(head_dim, dtype=dt)
+            tables = (torch.zeros(1, 7, 1, head_dim, dtype=dt), torch.zeros(1, 7, 1, head_dim, dtype=dt))
+            yield f"qk_norm_rope head_dim={head_dim}", dt, lambda: QK_NORM_ROPE.fused(q, q, w, w, eps, tables)
+        gate = torch.zeros(5, 2, 3072, dtype=dt)
+        yield "geglu", dt, lambda: GEGLU.fused(gate, gate)
+        yield "geglu fused [.., 2F]", dt, lambda: GEGLU.fused(gate, None)
+        yield "layer_norm", dt, lambda: LAYER_NORM.fused(x, eps, None, None)
+        yield "layer_norm affine", dt, lambda: LAYER_NORM.fused(x, eps, vec[0, 0], vec[0, 0])
+        yield "layer_norm_modulate native", dt, lambda: LAYER_NORM_MODULATE.fused(x, eps, vec, vec, None, None, False)
+
+
+def main(archs: list[int]) -> None:
+    JITFunction.run = _capture
+    for label, dtype, call in cases():
+        del launches[:]
+        call()
+        for kernel, signature, constexprs, options in launches:
+            for arch in archs:
+                row = {"case": label, "dtype": str(dtype).replace("torch.", ""), "kernel": kernel.fn.__name__,
+                       "arch": arch}
+                opts = dict(options)
+                if isinstance(opts.get("extern_libs"), dict):
+                    libs = {k: v for k, v in opts["extern_libs"].items() if v}
+                    opts["extern_libs"] = tuple(libs.items()) or None
+                    if not libs:
+                        opts.pop("extern_libs")
+                try:
+                    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+                    ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).asm["ptx"]
+                    row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [90])

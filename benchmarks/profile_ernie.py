@@ -35,26 +35,12 @@ import exactdit  # noqa: E402
 from exactdit.harness.sampling import forward, forward_inputs, latent_hw_for  # noqa: E402
 from exactdit.harness.tiny import build_transformer  # noqa: E402
 from exactdit.ops import library as lib  # noqa: E402
-from bench_ernie import kind  # noqa: E402
+from bench_ernie import kind, median_ms  # noqa: E402
 
 CONFIG = os.environ.get("ERNIE_BENCH_CONFIG", "full")
 HEIGHT, WIDTH = (int(v) for v in os.environ.get("ERNIE_BENCH_SIZE", "1024x1024").lower().split("x"))
 FUSED_SITES = ("rms_norm_modulate", "gated_rms_norm_modulate", "qk_norm_rope", "geglu", "residual_gate_add",
                "layer_norm_modulate", "rope_tables")
-
-
-def cuda_median_ms(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def host_median_ms(fn, reps: int = 7) -> float:
@@ -224,10 +210,10 @@ def main():
         if ref is None:
             ref = out.clone()
         row = {"model": label, "equal": bool(torch.equal(out, ref))}
-        row["wall_ms"] = cuda_median_ms(run)
+        row["wall_ms"] = median_ms(run)
         row["host_ms"] = host_median_ms(run)
         replay, static = graph_of(run)
-        row["graph_ms"] = cuda_median_ms(replay)
+        row["graph_ms"] = median_ms(replay)
         row["graph_equal"] = bool(torch.equal(static, ref))
         del replay, static
         row.update(clocks_while(run))

@@ -24,9 +24,10 @@ The kernel below reproduces that order for a given emulated configuration:
 * the total is multiplied by ATen's fp32 factor ``fl(M) / fl(M * D)``.
 
 Then ``var + fl32(eps)``, ``rsqrt.approx``, and the elementwise tail with eager's roundings.
-Each program owns ``ROWS`` rows: pass 1 reads the rows chunk by chunk and reduces; pass 2 reads
-them again (cache hits) and writes the output. The launch shape (ROWS, num_warps) never changes
-the arithmetic.
+Each program owns ``ROWS`` rows: pass 1 reads the rows chunk by chunk (the reduction's chunks, in
+ATen's order) and reduces; pass 2 reads them again (L2 hits) in wider ``[ROWS, TAIL]`` tiles --
+any tiling of the elementwise tail is exact -- and writes the output. The launch shape (ROWS,
+num_warps, unrolling, TAIL, L2 hints) never changes the arithmetic.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
-from exactdit.kernels.rows import row_offsets, row_strides, rows_of
+from exactdit.kernels.rows import next_power_of_2, row_offsets, row_strides, rows_of
 from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, mul_rn, round_to, rounded, rsqrt_approx
 
 
@@ -230,11 +230,13 @@ def launch_shape(chunk: int, width: int) -> tuple[int, int, int, int]:
     [4224, 4096] 24.5 us (gated 49.7 us) against 27.4 us (63.7 us) with 128-wide pass-2 tiles
     and 4x unrolling."""
     rows = max(1, 512 // chunk)
-    return rows, 4, 2, min(_pow2_at_least(width), max(chunk, 2048 // rows))
+    return rows, 4, 2, tail_block(chunk, width, rows)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def tail_block(chunk: int, width: int, rows: int) -> int:
+    """Width of pass 2's tiles: ~2048 elements per tile of ``rows`` rows, at least one chunk,
+    at most the row (rounded up to a power of two)."""
+    return min(next_power_of_2(width), max(chunk, 2048 // rows))
 
 
 def rms_norm_rows(
@@ -264,11 +266,9 @@ def rms_norm_rows(
     wy = cfg.warps_per_row
     chunk = 4 * bw * wy if cfg.vectorize_input else bw * wy
     chunks = -(-D // chunk)
-    rows, warps, unroll, tail_block = launch_shape(chunk, D)
-    if rows_per_program and not tail:
-        tail_block = min(_pow2_at_least(D), max(chunk, 2048 // rows_per_program))
+    rows, warps, unroll, _ = launch_shape(chunk, D)
     rows = rows_per_program or rows
-    tail_block = tail or tail_block
+    tail = tail or tail_block(chunk, D, rows)
     warps = num_warps or warps
     unroll = unroll_factor or unroll
     dummy = x
@@ -290,7 +290,7 @@ def rms_norm_rows(
         HAS_SHIFT=shift is not None, UPCAST=bool(upcast), WRITE_VAR=variance is not None,
         WRITE_OUT=bool(write_out), VECTORIZED=bool(cfg.vectorize_input), MISALIGNED=misaligned, BW=bw, WY=wy,
         LOG_BW=bw.bit_length() - 1, LOG_WY=wy.bit_length() - 1,
-        CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll, TAIL=tail_block,
+        CHUNKS=0 if cfg.vectorize_input else chunks, ROWS=rows, UNROLL=unroll, TAIL=tail,
         PASS1_EVICT=(l2_hints or L2_HINTS)[0], PASS2_EVICT=(l2_hints or L2_HINTS)[1],
         num_warps=warps, **LAUNCH_OPTIONS,
     )

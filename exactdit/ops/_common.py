@@ -38,6 +38,18 @@ def require_broadcast(op: str, target: torch.Size, **operands) -> None:
         )
 
 
+def require_gated_residual(op: str, residual, update, gate) -> None:
+    """Malformed call of an op that computes ``residual + gate * update``: non-tensors, an
+    update of another shape, a gate that does not broadcast."""
+    require_tensors(op, residual=residual, update=update, gate=gate)
+    if update.shape != residual.shape:
+        raise ValueError(
+            f"exactdit.ops.{op}: update shape {tuple(update.shape)} differs from residual shape "
+            f"{tuple(residual.shape)}"
+        )
+    require_broadcast(op, residual.shape, gate=gate)
+
+
 def dtype_support(*tensors: torch.Tensor | None) -> str | None:
     """Why the kernels cannot take these dtypes (they need one shared kernel dtype), or None."""
     present = [t for t in tensors if t is not None]

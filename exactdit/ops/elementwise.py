@@ -13,6 +13,7 @@ from exactdit.ops._common import (
     n_rows,
     new_outputs,
     require_broadcast,
+    require_gated_residual,
     require_tensors,
     rows_class,
     unit_stride_support,
@@ -24,13 +25,7 @@ from exactdit.ops._common import (
 
 
 def _rga_validate(residual, update, gate):
-    require_tensors("residual_gate_add", residual=residual, update=update, gate=gate)
-    if update.shape != residual.shape:
-        raise ValueError(
-            f"exactdit.ops.residual_gate_add: update shape {tuple(update.shape)} differs from "
-            f"residual shape {tuple(residual.shape)}"
-        )
-    require_broadcast("residual_gate_add", residual.shape, gate=gate)
+    require_gated_residual("residual_gate_add", residual, update, gate)
 
 
 def _rga_unsupported(residual, update, gate):

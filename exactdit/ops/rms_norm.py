@@ -26,6 +26,7 @@ from exactdit.ops._common import (
     n_rows,
     new_outputs,
     require_broadcast,
+    require_gated_residual,
     require_tensors,
     unit_stride_support,
 )
@@ -222,13 +223,7 @@ def _grnm_reference(residual, update, gate, weight, eps, scale, shift, upcast):
 
 
 def _grnm_validate(residual, update, gate, weight, eps, scale, shift, upcast):
-    require_tensors("gated_rms_norm_modulate", residual=residual, update=update, gate=gate)
-    if update.shape != residual.shape:
-        raise ValueError(
-            f"exactdit.ops.gated_rms_norm_modulate: update shape {tuple(update.shape)} differs "
-            f"from residual shape {tuple(residual.shape)}"
-        )
-    require_broadcast("gated_rms_norm_modulate", residual.shape, gate=gate)
+    require_gated_residual("gated_rms_norm_modulate", residual, update, gate)
     _rnm_validate(residual, weight, eps, scale, shift, upcast)
 
 

@@ -26,7 +26,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth_gbs, environment, median_ms, table, write_json  # noqa: E402
+from common import copy_bandwidth_gbs, environment, median_ms, outputs_equal, table, write_json  # noqa: E402
 
 from exactdit import ops, references  # noqa: E402
 from exactdit.aten_reduce import mean_factor  # noqa: E402
@@ -68,14 +68,8 @@ def cases(shapes, which):
             )
 
 
-def _equal(a, b):
-    if isinstance(a, tuple):
-        return all(torch.equal(p, q) for p, q in zip(a, b))
-    return torch.equal(a, b)
-
-
 def bench(name, shape, args, op, ref, nbytes, bw):
-    assert _equal(op(*args), ref(*args)), name  # verifies (and registers) the signature
+    assert outputs_equal(op(*args), ref(*args)), name  # verifies (and registers) the signature
     compiled = torch.compile(ref, dynamic=False)
     compiled(*args)
     os.environ["EXACTDIT_TRUST"] = "1"
@@ -93,7 +87,7 @@ def bench(name, shape, args, op, ref, nbytes, bw):
         os.environ.pop("EXACTDIT_TRUST")
     row["x_floor"] = row["exactdit_graph_us"] / row["floor_us"]
     row["vs_compile"] = row["compile_graph_us"] / row["exactdit_graph_us"]
-    row["compile_bit_exact"] = bool(_equal(compiled(*args), ref(*args)))
+    row["compile_bit_exact"] = bool(outputs_equal(compiled(*args), ref(*args)))
     return row
 
 

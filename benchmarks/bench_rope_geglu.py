@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth_gbs, environment, graph_median_ms, median_ms, table, write_json  # noqa: E402
+from common import copy_bandwidth_gbs, environment, graph_median_ms, median_ms, outputs_equal, table, write_json  # noqa: E402
 
 from exactdit import ops, references  # noqa: E402
 
@@ -50,11 +50,6 @@ def cases():
         yield "geglu fused [.., 2F]", f"{B}x{S}x{2 * FFN}", (fused, None), ops.geglu, references.geglu, 3 * act
 
 
-def _equal(a, b) -> bool:
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    return all(bool(torch.equal(x, y)) for x, y in zip(a, b))
-
-
 def tune(bw):
     """qk_norm_rope launch sweep (elements per program x warps) at 1 x 4224 x 32 x 128."""
     from exactdit.kernels import rope
@@ -66,7 +61,7 @@ def tune(bw):
     for elements, warps in itertools.product([1024, 2048, 4096, 8192, 16384], [2, 4, 8, 16]):
         rope.ROW_BLOCK_ELEMENTS, rope.NUM_WARPS = elements, warps
         try:
-            exact = _equal(op(*args), expected)  # compiles this launch shape outside the graph
+            exact = outputs_equal(op(*args), expected)  # compiles this launch shape outside the graph
             us = graph_median_ms(lambda: op(*args)) * 1e3
         except Exception as e:  # noqa: BLE001 - resource limits of a launch shape
             print(f"skip {elements} elements x {warps} warps: {type(e).__name__}")
@@ -86,7 +81,7 @@ def main():
         return
     rows = []
     for name, shape, args, op, ref, nbytes in cases():
-        assert _equal(op(*args), ref(*args))  # verifies the signature
+        assert outputs_equal(op(*args), ref(*args))  # verifies the signature
         os.environ["EXACTDIT_TRUST"] = "1"
         compiled = torch.compile(ref, dynamic=False)
         compiled(*args)
@@ -101,7 +96,7 @@ def main():
         }
         os.environ.pop("EXACTDIT_TRUST")
         row["x_floor"] = row["exactdit_us"] / row["floor_us"]
-        row["compile_bit_exact"] = _equal(compiled(*args), ref(*args))
+        row["compile_bit_exact"] = outputs_equal(compiled(*args), ref(*args))
         rows.append(row)
     cols = ["op", "shape", "eager_us", "compile_us", "exactdit_us", "floor_us", "x_floor", "exactdit_call_us", "compile_bit_exact"]
     print(f"copy bandwidth {bw:.0f} GB/s on {environment()['gpu']}")

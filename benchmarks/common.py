@@ -24,6 +24,12 @@ def graph_median_ms(fn, rep_ms: float = 200) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
+def outputs_equal(a, b) -> bool:
+    """``torch.equal`` of two op results, each a tensor or a tuple of tensors."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return len(a) == len(b) and all(bool(torch.equal(x, y)) for x, y in zip(a, b))
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -5,6 +5,7 @@
 #   bash benchmarks/run_on_device.sh equality  full-model equality (ernie_equality.py)
 #   bash benchmarks/run_on_device.sh model     model benchmark + profile (bench_ernie.py, profile_ernie.py)
 #   bash benchmarks/run_on_device.sh ernie     equality + model
+#   bash benchmarks/run_on_device.sh ncu       Nsight Compute: throughput, stalls, instructions per kernel
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
@@ -37,5 +38,10 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/profile_ernie.py 2>&1 | tee "$OUT/profile_ernie.log" | grep -v Warn | tail -40 ;;
     ernie)
       bash "$0" equality model ;;
+    ncu)
+      timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+        -k 'regex:^(rms_norm_kernel|norm_rope_kernel|geglu_kernel|layer_norm_kernel)$' -c 8 \
+        python3 benchmarks/ncu_ops.py --repeat 1 > "$OUT/ncu_ops.txt" 2>&1
+      grep -E "^  [a-z_]+kernel|Duration|Memory Throughput|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_ops.txt" ;;
   esac
 done

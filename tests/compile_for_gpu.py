@@ -41,31 +41,41 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "extern_libs")
 
-launches: list[tuple[JITFunction, dict, dict, dict]] = []
+launches: list[tuple[JITFunction, dict, dict, dict, dict]] = []
 
 
 def _capture(self, *args, grid, warmup, **kwargs):
-    """Stands in for JITFunction.run: records the launch instead of running it."""
+    """Stands in for JITFunction.run: records the launch instead of running it, specialised as
+    the JIT would specialise it (ints equal to 1 become constants; ints divisible by 16 and
+    16-byte aligned tensors are marked divisible, unless the kernel opts out)."""
     bound = dict(zip(self.arg_names, args))
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
     bound.update(kwargs)
-    signature, constexprs = {}, {}
-    for param, name in zip(self.params, self.arg_names):
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (param, name) in enumerate(zip(self.params, self.arg_names)):
         value = bound[name]
+        divisible = False
         if param.is_constexpr:
             signature[name] = "constexpr"
             constexprs[name] = value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _DTYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0 and not param.do_not_specialize_on_alignment
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and value == 1 and not param.do_not_specialize:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0 and not param.do_not_specialize
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
             raise TypeError(f"{self.fn.__name__}: cannot type argument {name}={value!r}")
-    launches.append((self, signature, constexprs, options))
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    launches.append((self, signature, constexprs, options, attrs))
 
 
 def cases():
@@ -105,24 +115,34 @@ def cases():
         yield "layer_norm_modulate native", dt, lambda: LAYER_NORM_MODULATE.fused(x, eps, vec, vec, None, None, False)
 
 
-def main(archs: list[int]) -> None:
+def compile_launch(kernel: JITFunction, signature: dict, constexprs: dict, options: dict, attrs: dict, arch: int):
+    """Compile one intercepted launch for ``sm_<arch>`` through Triton's normal pipeline."""
+    opts = dict(options)
+    if isinstance(opts.get("extern_libs"), dict):
+        libs = {k: v for k, v in opts["extern_libs"].items() if v}
+        opts["extern_libs"] = tuple(libs.items()) or None
+        if not libs:
+            opts.pop("extern_libs")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def captured(call) -> list[tuple[JITFunction, dict, dict, dict, dict]]:
+    """The launches ``call()`` makes, intercepted (nothing runs)."""
     JITFunction.run = _capture
+    del launches[:]
+    call()
+    return list(launches)
+
+
+def main(archs: list[int]) -> None:
     for label, dtype, call in cases():
-        del launches[:]
-        call()
-        for kernel, signature, constexprs, options in launches:
+        for kernel, signature, constexprs, options, attrs in captured(call):
             for arch in archs:
                 row = {"case": label, "dtype": str(dtype).replace("torch.", ""), "kernel": kernel.fn.__name__,
                        "arch": arch}
-                opts = dict(options)
-                if isinstance(opts.get("extern_libs"), dict):
-                    libs = {k: v for k, v in opts["extern_libs"].items() if v}
-                    opts["extern_libs"] = tuple(libs.items()) or None
-                    if not libs:
-                        opts.pop("extern_libs")
                 try:
-                    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-                    ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts).asm["ptx"]
+                    ptx = compile_launch(kernel, signature, constexprs, options, attrs, arch).asm["ptx"]
                     row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")

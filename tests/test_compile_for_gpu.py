@@ -9,6 +9,7 @@ TRITON_INTERPRET (see tests/compile_for_gpu.py).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -82,3 +83,15 @@ def test_bf16_results_use_the_hardware_rounding(compiled):
     for r in compiled:
         if r["ok"] and r["dtype"] == "bfloat16" and "fp32 weight" not in r["case"]:  # that one returns fp32
             assert r["ptx"]["cvt_rn_bf16"] > 0, (r["case"], r["ptx"])
+
+
+def test_sass_counts_tool():
+    """benchmarks/sass_counts.py disassembles every production-shape kernel without a GPU
+    (Triton's bundled ptxas and nvdisasm)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "sass_counts.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+_kernel)\s+(\d+) SASS", proc.stdout)}
+    assert set(counts) >= {"rms_norm_kernel", "norm_rope_kernel", "geglu_kernel", "layer_norm_kernel"}, proc.stdout
+    assert all(n > 100 for n in counts.values()), proc.stdout

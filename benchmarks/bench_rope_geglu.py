@@ -22,11 +22,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth_gbs, environment, graph_median_ms, median_ms, outputs_equal, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    FFN, HEAD_DIM, HEADS, S, copy_bandwidth_gbs, environment, graph_median_ms, median_ms, outputs_equal, table, write_json,
+)
 
 from exactdit import ops, references  # noqa: E402
 
-S, HEADS, HEAD_DIM, FFN = 4224, 32, 128, 12288
 
 
 def cases():

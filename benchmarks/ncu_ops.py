@@ -19,11 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import outputs_equal  # noqa: E402
+from common import D, FFN, HEAD_DIM, HEADS, S, outputs_equal  # noqa: E402
 
 from exactdit import ops, references  # noqa: E402
-
-S, D, HEADS, HEAD_DIM, FFN = 4224, 4096, 32, 128, 12288
 
 
 def calls():

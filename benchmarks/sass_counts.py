@@ -21,11 +21,12 @@ import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from common import D, FFN, HEAD_DIM, HEADS, S  # noqa: E402
 from compile_for_gpu import captured, compile_launch  # noqa: E402
 
 from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD  # noqa: E402
@@ -34,7 +35,6 @@ from exactdit.ops.layer_norm import LAYER_NORM_MODULATE  # noqa: E402
 from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM_MODULATE  # noqa: E402
 from exactdit.ops.rope import QK_NORM_ROPE  # noqa: E402
 
-S, D, HEADS, HEAD_DIM, FFN = 4224, 4096, 32, 128, 12288
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 

@@ -20,13 +20,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ARCHS = (80, 90)
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def _compiler_env() -> dict:
+    """The environment for a compiling subprocess: no TRITON_INTERPRET, the repository importable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def compiled():
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "compile_for_gpu.py"), *map(str, ARCHS)],
-        capture_output=True, text=True, timeout=1200, env=env,
+        capture_output=True, text=True, timeout=1200, env=_compiler_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -88,9 +93,8 @@ def test_bf16_results_use_the_hardware_rounding(compiled):
 def test_sass_counts_tool():
     """benchmarks/sass_counts.py disassembles every production-shape kernel without a GPU
     (Triton's bundled ptxas and nvdisasm)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(HERE), "benchmarks", "sass_counts.py")
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, env=_compiler_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+_kernel)\s+(\d+) SASS", proc.stdout)}
     assert set(counts) >= {"rms_norm_kernel", "norm_rope_kernel", "geglu_kernel", "layer_norm_kernel"}, proc.stdout

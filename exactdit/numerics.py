@@ -11,6 +11,14 @@ A fused kernel reproduces eager bit for bit only if it
   ``rsqrt`` (``div_rn`` / ``rsqrt_approx``),
 * reads scalar arguments as fp32 (``as_fp32``), never letting them promote a chain to fp64.
 
+An eager multiply, add or subtract of two bf16 (or fp16) tensors computes in fp32 and rounds
+once to the dtype. ``dtype_mul`` / ``dtype_add`` / ``dtype_sub`` do the same op directly in the
+dtype on packed pairs (one ``fma.rn.bf16x2`` per two elements, no widening or conversion
+instructions) and give the same bits: the fp32 product of two bf16/fp16 values is exact (8 + 8
+or 11 + 11 significant bits), and an fp32 sum is exact unless the exponents are more than 16
+(bf16) or 13 (fp16) apart, when the smaller operand is too small to move the dtype rounding. So
+"fp32 op, then round" is the single rounding of the exact result that the dtype op performs.
+
 Every helper also runs under ``TRITON_INTERPRET=1`` (CPU tests) and gives the same bits there,
 with one documented exception: ``rsqrt_approx`` is a hardware approximation; the interpreter
 uses the correctly rounded ``1 / sqrt(x)``, so CPU tests compare against an order model that
@@ -126,6 +134,13 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def widen_bf16(x):
+    """bf16 -> fp32 (exact) by moving the bits. The interpreter's own conversion gets subnormal
+    bf16 values wrong (triton 3.9); on the GPU this is the same shift the conversion compiles to."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def as_fp32(value):
     """A scalar kernel argument as an fp32 value, whatever type it arrived as."""
     return tl.full((), value, tl.float32)
@@ -185,6 +200,87 @@ else:
         return tl.inline_asm_elementwise(
             "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
         )
+
+
+@triton.jit
+def _widened(a):
+    """A bf16/fp16/fp32 value as fp32, exactly (bits for bf16: the interpreter's conversion is
+    wrong for subnormal bf16)."""
+    if a.dtype == tl.bfloat16:
+        return widen_bf16(a)
+    else:
+        return a.to(tl.float32)
+
+
+def _packed_fma(kind: str, constant: str, operands: str) -> tl.constexpr:
+    """PTX for ``fma.rn`` on packed pairs of ``kind`` (bf16 or f16; sm_80+), with ``c`` holding
+    ``constant`` in both halves."""
+    return tl.constexpr(f"{{ .reg .b32 c; mov.b32 c, {constant}; fma.rn.{kind}x2 $0, {operands}; }}")
+
+
+# a * b + (-0) is a * b, zeros' signs included; a * 1 + b is a + b; b * -1 + a is a - b.
+_MUL_BF16 = _packed_fma("bf16", "0x80008000", "$1, $2, c")
+_ADD_BF16 = _packed_fma("bf16", "0x3F803F80", "$1, c, $2")
+_SUB_BF16 = _packed_fma("bf16", "0xBF80BF80", "$2, c, $1")
+_MUL_F16 = _packed_fma("f16", "0x80008000", "$1, $2, c")
+_ADD_F16 = _packed_fma("f16", "0x3C003C00", "$1, c, $2")
+_SUB_F16 = _packed_fma("f16", "0xBC00BC00", "$2, c, $1")
+
+
+@triton.jit
+def _packed(a, b, ASM_BF16: tl.constexpr, ASM_F16: tl.constexpr):
+    if a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(ASM_BF16, "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(ASM_F16, "=r,r,r", [a, b], dtype=tl.float16, is_pure=True, pack=2)
+
+
+if INTERPRET:
+
+    @triton.jit
+    def dtype_mul(a, b):
+        """``a * b`` for two tensors of one dtype (bf16, fp16, fp32) as the eager op: the fp32
+        product rounded once to the dtype (on the GPU: packed pairs, see the module docstring)."""
+        return round_to(mul_rn(_widened(a), _widened(b)), a.dtype)
+
+    @triton.jit
+    def dtype_add(a, b):
+        """``a + b`` for two tensors of one dtype as the eager op (see ``dtype_mul``)."""
+        return round_to(add_rn(_widened(a), _widened(b)), a.dtype)
+
+    @triton.jit
+    def dtype_sub(a, b):
+        """``a - b`` (also ``a + (-b)``: IEEE defines them as one operation) for two tensors of
+        one dtype as the eager op (see ``dtype_mul``)."""
+        return round_to(sub_rn(_widened(a), _widened(b)), a.dtype)
+
+else:
+
+    @triton.jit
+    def dtype_mul(a, b):
+        """``a * b`` for two tensors of one dtype (bf16, fp16, fp32) as the eager op: the fp32
+        product rounded once to the dtype, done on packed pairs (module docstring)."""
+        if a.dtype == tl.float32:
+            return mul_rn(a, b)
+        else:
+            return _packed(a, b, _MUL_BF16, _MUL_F16)
+
+    @triton.jit
+    def dtype_add(a, b):
+        """``a + b`` for two tensors of one dtype as the eager op (see ``dtype_mul``)."""
+        if a.dtype == tl.float32:
+            return add_rn(a, b)
+        else:
+            return _packed(a, b, _ADD_BF16, _ADD_F16)
+
+    @triton.jit
+    def dtype_sub(a, b):
+        """``a - b`` (also ``a + (-b)``: IEEE defines them as one operation) for two tensors of
+        one dtype as the eager op (see ``dtype_mul``)."""
+        if a.dtype == tl.float32:
+            return sub_rn(a, b)
+        else:
+            return _packed(a, b, _SUB_BF16, _SUB_F16)
 
 
 @triton.jit

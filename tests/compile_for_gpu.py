@@ -34,6 +34,7 @@ PTX_COUNTS = {
     "rsqrt_approx_ftz": r"\brsqrt\.approx\.ftz\.f32\b",
     "div_rn": r"\bdiv\.rn\.f32\b",
     "cvt_rn_bf16": r"\bcvt\.rn\.bf16(x2)?\.f32\b",
+    "packed_half": r"\bfma\.rn\.(bf16x2|f16x2)\b",  # numerics.dtype_mul/add/sub
     "ftz": r"\.ftz\.",
 }
 
@@ -81,7 +82,7 @@ def _capture(self, *args, grid, warmup, **kwargs):
 def cases():
     """One call per kernel variant the ops launch (dtypes, layouts, paths)."""
     from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD
-    from exactdit.ops.geglu import GEGLU
+    from exactdit.kernels import geglu as geglu_kernels
     from exactdit.ops.layer_norm import LAYER_NORM, LAYER_NORM_MODULATE
     from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM, RMS_NORM_MODULATE
     from exactdit.ops.rope import QK_NORM_ROPE
@@ -107,9 +108,14 @@ def cases():
             w = torch.zeros(head_dim, dtype=dt)
             tables = (torch.zeros(1, 7, 1, head_dim, dtype=dt), torch.zeros(1, 7, 1, head_dim, dtype=dt))
             yield f"qk_norm_rope head_dim={head_dim}", dt, lambda: QK_NORM_ROPE.fused(q, q, w, w, eps, tables)
-        gate = torch.zeros(5, 2, 3072, dtype=dt)
-        yield "geglu", dt, lambda: GEGLU.fused(gate, gate)
-        yield "geglu fused [.., 2F]", dt, lambda: GEGLU.fused(gate, None)
+        gate, projection = torch.zeros(5, 2, 3072, dtype=dt), torch.zeros(5, 2, 6144, dtype=dt)
+        # the launcher directly: the op would first build (here: capture) the bf16 table check
+        yield "geglu erf", dt, lambda: geglu_kernels.geglu(gate, gate, gate)
+        yield "geglu erf fused [.., 2F]", dt, lambda: geglu_kernels.geglu(*projection.chunk(2, -1), gate)
+        if dt == torch.bfloat16:
+            table = torch.zeros(2 * geglu_kernels.TABLE_WINDOW, dtype=dt)
+            yield "geglu table", dt, lambda: geglu_kernels.geglu(gate, gate, gate, table)
+            yield "geglu table fused [.., 2F]", dt, lambda: geglu_kernels.geglu(*projection.chunk(2, -1), gate, table)
         yield "layer_norm", dt, lambda: LAYER_NORM.fused(x, eps, None, None)
         yield "layer_norm affine", dt, lambda: LAYER_NORM.fused(x, eps, vec[0, 0], vec[0, 0])
         yield "layer_norm_modulate native", dt, lambda: LAYER_NORM_MODULATE.fused(x, eps, vec, vec, None, None, False)

@@ -57,13 +57,15 @@ def _by_kernel(rows):
 
 
 def test_no_contraction_where_eager_has_none(compiled):
-    """The elementwise chains and diffusers' RMSNorm are separate eager kernels: no FMA may
-    appear (LAUNCH_OPTIONS disables fusion; mul_rn/add_rn are explicit)."""
+    """The elementwise chains and diffusers' RMSNorm are separate eager kernels: no fp32 FMA may
+    appear (LAUNCH_OPTIONS disables fusion; mul_rn/add_rn are explicit). Half-dtype ops are
+    packed ``fma.rn`` with a neutral operand (numerics.dtype_mul), one rounding each."""
     by = _by_kernel(compiled)
     for name in ("residual_gate_add_kernel", "modulate_kernel", "rms_norm_kernel"):
         for r in by[name]:
             assert r["ptx"]["fma"] == 0, (r["case"], r["dtype"], r["arch"], r["ptx"])
-            assert r["ptx"]["mul_rn"] > 0, (r["case"], r["ptx"])
+            assert r["ptx"]["mul_rn"] + r["ptx"]["packed_half"] > 0, (r["case"], r["ptx"])
+            assert (r["ptx"]["packed_half"] > 0) == (r["case"] in PACKED and r["dtype"] != "float32"), (r["case"], r["ptx"])
 
 
 def test_rsqrt_and_division_are_the_ones_aten_uses(compiled):
@@ -84,10 +86,17 @@ def test_no_flush_to_zero_outside_libdevice(compiled):
             assert r["ptx"]["ftz"] == 0, (r["case"], r["dtype"], r["ptx"])
 
 
+#: cases whose half-dtype arithmetic is all or partly packed dtype ops
+PACKED = {"residual_gate_add", "modulate native", "modulate no shift"} | {
+    f"gated_rms_norm_modulate D={D}" for D in (4096, 64, 100, 1001)}
+
+
 def test_bf16_results_use_the_hardware_rounding(compiled):
+    """Every bf16 result comes from ``cvt.rn.bf16`` or a packed bf16 op (both round to nearest
+    even in hardware), never from a truncating conversion."""
     for r in compiled:
         if r["ok"] and r["dtype"] == "bfloat16" and "fp32 weight" not in r["case"]:  # that one returns fp32
-            assert r["ptx"]["cvt_rn_bf16"] > 0, (r["case"], r["ptx"])
+            assert r["ptx"]["cvt_rn_bf16"] + r["ptx"]["packed_half"] > 0, (r["case"], r["ptx"])
 
 
 def test_sass_counts_tool():

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.numerics import LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to
+from exactdit.numerics import LAUNCH_OPTIONS, add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, round_to
 from tests.conftest import DEVICE
 
 
@@ -100,3 +100,48 @@ def test_arithmetic_is_ieee_fp32_without_contraction():
     assert np.array_equal(chain.view(np.int32), two_roundings.view(np.int32))
     fused = (an.astype(np.float64) * bn + cn).astype(np.float32)  # what an FMA would give
     assert (fused.view(np.int32) != two_roundings.view(np.int32)).any(), "inputs too tame to tell FMA apart"
+
+
+@triton.jit
+def _dtype_ops_kernel(a_ptr, b_ptr, mul_ptr, add_ptr, sub_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask)
+    b = tl.load(b_ptr + offs, mask=mask)
+    tl.store(mul_ptr + offs, dtype_mul(a, b), mask=mask)
+    tl.store(add_ptr + offs, dtype_add(a, b), mask=mask)
+    tl.store(sub_ptr + offs, dtype_sub(a, b), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_dtype_ops_equal_eager_ops(dtype):
+    """``dtype_mul/add/sub`` (packed half ops on the GPU) against eager ``a * b``, ``a + b``,
+    ``a - b`` on the same device. Half dtypes: every bit pattern of a against random bit patterns
+    of b and against specials (zeros, subnormals, Inf, NaN, 1, -1), so ties, exponent gaps over
+    16 bits, subnormal results, overflow and cancellation to +-0 all occur. Bits must be equal;
+    on the CPU NaN payloads may differ (torch's CPU conversion keeps them, the interpreter's
+    rounding gives 0x7FFF) and are only required to be NaN."""
+    g = torch.Generator().manual_seed(11)
+    if dtype == torch.float32:
+        a = torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-40, 40, (1 << 20,), generator=g).float())
+        b = torch.randn(1 << 20, generator=g)
+    else:
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        columns = 256 if DEVICE.type == "cuda" else 16
+        specials = torch.tensor([0, -32768, 1, -32767, 0x3FF, 0x7FFF, -1, 0x7C00, -1024, 0x7F80, -128,
+                                 0x3F80 if dtype == torch.bfloat16 else 0x3C00], dtype=torch.int16)
+        random = torch.randint(-(2**15), 2**15, (2**16, columns), generator=g, dtype=torch.int32).to(torch.int16)
+        b_bits = torch.cat([random, specials.expand(2**16, -1)], dim=1)
+        a = every[:, None].expand_as(b_bits).reshape(-1).view(dtype)
+        b = b_bits.reshape(-1).view(dtype)
+    a, b = a.to(DEVICE).contiguous(), b.to(DEVICE).contiguous()
+    outs = [torch.empty_like(a) for _ in range(3)]
+    _dtype_ops_kernel[(triton.cdiv(a.numel(), 2048),)](a, b, *outs, a.numel(), BLOCK=2048, **LAUNCH_OPTIONS)
+    for name, out, ref in zip(("mul", "add", "sub"), outs, (a * b, a + b, a - b)):
+        if DEVICE.type != "cuda":
+            both_nan = torch.isnan(out) & torch.isnan(ref)
+            assert torch.equal(torch.isnan(out), torch.isnan(ref)), name
+            out, ref = torch.where(both_nan, 0, out), torch.where(both_nan, 0, ref)
+        bits = {2: torch.int16, 4: torch.int32}[out.element_size()]
+        differs = out.view(bits) != ref.view(bits)
+        assert not differs.any(), f"{name}: {int(differs.sum())} differ, e.g. {a[differs][:4]} {b[differs][:4]}"

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, row_offsets, row_strides, rows_of
-from exactdit.numerics import LAUNCH_OPTIONS, add_rn, mul_rn, round_to, rounded
+from exactdit.numerics import LAUNCH_OPTIONS, add_rn, dtype_add, dtype_mul, mul_rn, round_to
 
 
 @triton.jit
@@ -32,43 +32,45 @@ def residual_gate_add_kernel(
 ):
     """``out = residual + (gate.float() * update.float()).to(dtype)``.
 
-    Rounds: the product once to the dtype, the sum once to the dtype (for bf16/fp16 the fp32
-    product of two half values is exact, so this also equals ``residual + gate * update``; for
-    fp32 both are single fp32 ops, and the multiply is never fused into the add).
+    Rounds: the product once to the dtype, the sum once to the dtype, as two eager ops of the
+    dtype (``dtype_mul``, ``dtype_add``; for bf16/fp16 the fp32 product of two half values is
+    exact, so this also equals ``residual + gate * update``; for fp32 both are single fp32 ops,
+    and the multiply is never fused into the add).
     Accepts bf16, fp16, fp32; all operands and the output share that dtype.
     """
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs, mask = _tile(rows, cols, n_rows, width, inner, r_so, r_si)
-    r = tl.load(residual_ptr + offs, mask=mask).to(tl.float32)
+    r = tl.load(residual_ptr + offs, mask=mask)
     offs, _ = _tile(rows, cols, n_rows, width, inner, u_so, u_si)
-    u = tl.load(update_ptr + offs, mask=mask).to(tl.float32)
+    u = tl.load(update_ptr + offs, mask=mask)
     offs, _ = _tile(rows, cols, n_rows, width, inner, g_so, g_si)
-    g = tl.load(gate_ptr + offs, mask=mask).to(tl.float32)
-    out = round_to(add_rn(r, rounded(mul_rn(g, u), DTYPE)), DTYPE)
+    g = tl.load(gate_ptr + offs, mask=mask)
+    out = dtype_add(r, dtype_mul(g, u))
     offs, _ = _tile(rows, cols, n_rows, width, inner, o_so, o_si)
     tl.store(out_ptr + offs, out, mask=mask)
 
 
 @triton.jit
-def modulate_values(x, scale, shift, DTYPE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr):
-    """The modulation chain on fp32 values that came from DTYPE tensors; returns fp32.
+def modulate_values(x, scale, shift, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr):
+    """The modulation chain on tensors of one dtype (bf16, fp16, fp32); returns that dtype.
 
     UPCAST (ERNIE-Image): ``x.float() * (1 + scale.float()) + shift.float()``, every op an fp32
-    op, no FMA; the caller rounds once to DTYPE.
-    Native (Flux, SD3, Qwen-Image): ``x * (1 + scale) + shift`` with every op rounded to DTYPE.
+    op, no FMA, then one rounding to the dtype.
+    Native (Flux, SD3, Qwen-Image): ``x * (1 + scale) + shift``, every op an eager op of the
+    dtype (``dtype_add`` / ``dtype_mul``: one rounding each, on packed pairs on the GPU).
     Shared with the norm + modulate kernels.
     """
     if UPCAST:
-        y = mul_rn(x, 1.0 + scale)
+        y = mul_rn(x.to(tl.float32), 1.0 + scale.to(tl.float32))
         if HAS_SHIFT:
-            y = add_rn(y, shift)
+            y = add_rn(y, shift.to(tl.float32))
+        return round_to(y, x.dtype)
     else:
-        y = rounded(mul_rn(x, rounded(1.0 + scale, DTYPE)), DTYPE)
+        y = dtype_mul(x, dtype_add(tl.full(scale.shape, 1.0, scale.dtype), scale))
         if HAS_SHIFT:
-            y = rounded(add_rn(y, shift), DTYPE)
-    return y
+            y = dtype_add(y, shift)
+        return y
 
 
 @triton.jit
@@ -83,20 +85,19 @@ def modulate_kernel(
 
     Accepts bf16, fp16, fp32 with x, scale, shift and out of one dtype.
     """
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs, mask = _tile(rows, cols, n_rows, width, inner, x_so, x_si)
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask)
     offs, _ = _tile(rows, cols, n_rows, width, inner, sc_so, sc_si)
-    scale = tl.load(scale_ptr + offs, mask=mask).to(tl.float32)
+    scale = tl.load(scale_ptr + offs, mask=mask)
     shift = scale
     if HAS_SHIFT:
         offs, _ = _tile(rows, cols, n_rows, width, inner, sh_so, sh_si)
-        shift = tl.load(shift_ptr + offs, mask=mask).to(tl.float32)
-    y = modulate_values(x, scale, shift, DTYPE, HAS_SHIFT, UPCAST)
+        shift = tl.load(shift_ptr + offs, mask=mask)
+    y = modulate_values(x, scale, shift, HAS_SHIFT, UPCAST)
     offs, _ = _tile(rows, cols, n_rows, width, inner, o_so, o_si)
-    tl.store(out_ptr + offs, round_to(y, DTYPE), mask=mask)
+    tl.store(out_ptr + offs, y, mask=mask)
 
 
 def _launch(kernel, out: torch.Tensor, operands: list[torch.Tensor], **constexprs) -> torch.Tensor:

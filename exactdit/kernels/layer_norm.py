@@ -29,7 +29,7 @@ import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
 from exactdit.kernels.rows import next_power_of_2, row_offsets, row_strides, rows_of
-from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rounded, rsqrt_approx, sub_rn
+from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rsqrt_approx, sub_rn
 
 #: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
 MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2
@@ -269,13 +269,14 @@ def _write_chunk(
     if HAS_BIAS:
         b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
     y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+    y = round_to(y, DTYPE)
     if MODULATE:
-        scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0)
         shift = scale
         if HAS_SHIFT:
-            shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0).to(tl.float32)
-        y = modulate_values(rounded(y, DTYPE), scale, shift, DTYPE, HAS_SHIFT, UPCAST)
-    tl.store(out_ptr + o_start + c, round_to(y, DTYPE), mask=mask)
+            shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0)
+        y = modulate_values(y, scale, shift, HAS_SHIFT, UPCAST)
+    tl.store(out_ptr + o_start + c, y, mask=mask)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
 from exactdit.kernels.rows import next_power_of_2, row_offsets, row_strides, rows_of
-from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, mul_rn, round_to, rounded, rsqrt_approx
+from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, dtype_add, dtype_mul, mul_rn, round_to, rounded, rsqrt_approx
 
 
 @triton.jit
@@ -80,13 +80,13 @@ def _chunk_squares(x_ptr, update_ptr, gate_ptr, res_ptr, x_row, u_row, g_row, r_
     """fp32 squares of one chunk of the rows (0 where masked). GATED: the rows are the new
     residual ``x + (g.float() * u.float()).to(DTYPE)``, stored to ``res_ptr`` on the way.
     EVICT: L2 eviction hint for the row loads (pass 2 reads the rows again)."""
-    v = tl.load(x_ptr + x_row + c, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    v = tl.load(x_ptr + x_row + c, mask=mask, other=0.0, eviction_policy=EVICT)
     if GATED:
-        u = tl.load(update_ptr + u_row + c, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + g_row + c, mask=mask, other=0.0).to(tl.float32)
-        new_res = round_to(add_rn(v, rounded(mul_rn(g, u), DTYPE)), DTYPE)
-        tl.store(res_ptr + r_row + c, new_res, mask=mask)
-        v = new_res.to(tl.float32)
+        u = tl.load(update_ptr + u_row + c, mask=mask, other=0.0)
+        g = tl.load(gate_ptr + g_row + c, mask=mask, other=0.0)
+        v = dtype_add(v, dtype_mul(g, u))  # the eager bf16 ops (numerics.dtype_mul)
+        tl.store(res_ptr + r_row + c, v, mask=mask)
+    v = v.to(tl.float32)
     return mul_rn(v, v)  # masked elements give +0, and adding +0 to a sum of squares is exact
 
 
@@ -208,14 +208,14 @@ def rms_norm_kernel(
                 if WDTYPE != tl.float32:
                     y = rounded(y, WDTYPE)
                 y = mul_rn(y, w)
+            y = round_to(y, OUT)
             if MODULATE:
-                y = rounded(y, OUT)
-                scale = tl.load(scale_ptr + sc_row + tc, mask=mask, other=0.0).to(tl.float32)
+                scale = tl.load(scale_ptr + sc_row + tc, mask=mask, other=0.0)
                 shift = scale
                 if HAS_SHIFT:
-                    shift = tl.load(shift_ptr + sh_row + tc, mask=mask, other=0.0).to(tl.float32)
-                y = modulate_values(y, scale, shift, OUT, HAS_SHIFT, UPCAST)
-            tl.store(out_ptr + o_row + tc, round_to(y, OUT), mask=mask)
+                    shift = tl.load(shift_ptr + sh_row + tc, mask=mask, other=0.0)
+                y = modulate_values(y, scale, shift, HAS_SHIFT, UPCAST)
+            tl.store(out_ptr + o_row + tc, y, mask=mask)
 
 
 #: L2 eviction hints (pass 1, pass 2) for the row loads: pass 2 re-reads the rows pass 1 read.

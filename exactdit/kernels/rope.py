@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.rows import next_power_of_2
-from exactdit.numerics import LAUNCH_OPTIONS, add_rn, as_fp32, div_rn, mul_rn, round_to, rounded, rsqrt_approx
+from exactdit.numerics import (
+    LAUNCH_OPTIONS, add_rn, as_fp32, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, round_to, rounded, rsqrt_approx,
+)
 
 #: threads per row of ATen's vectorized norm kernel, and elements per vector.
 THREADS = 128
@@ -59,11 +61,12 @@ def _block_sum(acc, ROWS: tl.constexpr, LANES: tl.constexpr):
 
 @triton.jit
 def _row_starts(rows, d1, d2, s0, s1, s2):
-    """Element offset of each flat row index of a [d0, d1, d2, N] view."""
-    rows = rows.to(tl.int64)
+    """Element offset of each flat row index of a [d0, d1, d2, N] view. The index is split in
+    32 bits (row counts stay below 2^31: a row has at least 8 elements and a tensor is far
+    below 2^34 elements); only the offsets need 64."""
     i2 = rows % d2
     rest = rows // d2
-    return (rest // d1) * s0 + (rest % d1) * s1 + i2 * s2
+    return (rest // d1).to(tl.int64) * s0 + (rest % d1).to(tl.int64) * s1 + i2.to(tl.int64) * s2
 
 
 @triton.jit
@@ -119,15 +122,12 @@ def _block_sum_halves(acc_lo, acc_hi, BLOCK_R: tl.constexpr, LANES: tl.constexpr
 
 
 @triton.jit
-def _normed(x, w, rstd, DTYPE: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """``F.rms_norm`` output ``round(w * (rstd * x))`` as fp32, or x itself without NORM."""
-    if NORM:
-        y = mul_rn(rstd[:, None], x)
-        if HAS_WEIGHT:
-            y = mul_rn(w[None, :], y)
-        return rounded(y, DTYPE)
-    else:
-        return x
+def _normed(x, w, rstd, DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """``F.rms_norm`` output ``round(w * (rstd * x))`` (x, w fp32) in DTYPE."""
+    y = mul_rn(rstd[:, None], x)
+    if HAS_WEIGHT:
+        y = mul_rn(w[None, :], y)
+    return round_to(y, DTYPE)
 
 
 @triton.jit
@@ -143,11 +143,11 @@ def _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, s
     HALF: tl.constexpr = N // 2
     cols = tl.arange(0, HALF)
     mask = row_mask[:, None] & (cols < HALF)[None, :]
-    x_lo = tl.load(x_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_ptr + starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
-    y_lo = x_lo
-    y_hi = x_hi
+    y_lo = tl.load(x_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)
+    y_hi = tl.load(x_ptr + starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0)
     if NORM:
+        x_lo = y_lo.to(tl.float32)
+        x_hi = y_hi.to(tl.float32)
         acc_lo = _thread_sums_from_tile(x_lo, BLOCK_R, HALF // 4, SQUARE_FMA)
         acc_hi = _thread_sums_from_tile(x_hi, BLOCK_R, HALF // 4, SQUARE_FMA)
         var = div_rn(_block_sum_halves(acc_lo, acc_hi, BLOCK_R, N // 4), tl.full((), N, tl.float32))
@@ -157,19 +157,20 @@ def _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, s
         if HAS_WEIGHT:
             w_lo = tl.load(w_ptr + cols * w_s).to(tl.float32)
             w_hi = tl.load(w_ptr + (cols + HALF) * w_s).to(tl.float32)
-        y_lo = _normed(x_lo, w_lo, rstd, DTYPE, NORM, HAS_WEIGHT)
-        y_hi = _normed(x_hi, w_hi, rstd, DTYPE, NORM, HAS_WEIGHT)
+        y_lo = _normed(x_lo, w_lo, rstd, DTYPE, HAS_WEIGHT)
+        y_hi = _normed(x_hi, w_hi, rstd, DTYPE, HAS_WEIGHT)
     t_starts = _row_starts(rows, d1, d2, t_s0, t_s1, t_s2)
-    cos_lo = tl.load(cos_ptr + t_starts[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + t_starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + t_starts[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + t_starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0).to(tl.float32)
-    # x * cos + cat(-x2, x1) * sin, each op rounded to the dtype as eager does
-    out_lo = add_rn(rounded(mul_rn(y_lo, cos_lo), DTYPE), rounded(mul_rn(-y_hi, sin_lo), DTYPE))
-    out_hi = add_rn(rounded(mul_rn(y_hi, cos_hi), DTYPE), rounded(mul_rn(y_lo, sin_hi), DTYPE))
+    cos_lo = tl.load(cos_ptr + t_starts[:, None] + cols[None, :], mask=mask, other=0.0)
+    cos_hi = tl.load(cos_ptr + t_starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0)
+    sin_lo = tl.load(sin_ptr + t_starts[:, None] + cols[None, :], mask=mask, other=0.0)
+    sin_hi = tl.load(sin_ptr + t_starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0)
+    # y * cos + cat(-y_hi, y_lo) * sin, each op an eager op of the dtype; round(-a * b) is
+    # -round(a * b), and c + (-d) is c - d
+    out_lo = dtype_sub(dtype_mul(y_lo, cos_lo), dtype_mul(y_hi, sin_lo))
+    out_hi = dtype_add(dtype_mul(y_hi, cos_hi), dtype_mul(y_lo, sin_hi))
     o_starts = _row_starts(rows, d1, d2, o_s0, o_s1, o_s2)
-    tl.store(out_ptr + o_starts[:, None] + cols[None, :], round_to(out_lo, DTYPE), mask=mask)
-    tl.store(out_ptr + o_starts[:, None] + (cols + HALF)[None, :], round_to(out_hi, DTYPE), mask=mask)
+    tl.store(out_ptr + o_starts[:, None] + cols[None, :], out_lo, mask=mask)
+    tl.store(out_ptr + o_starts[:, None] + (cols + HALF)[None, :], out_hi, mask=mask)
 
 
 @triton.jit
@@ -196,7 +197,9 @@ def _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, 
         rstd = rsqrt_approx(add_rn(var, as_fp32(eps)))
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols * w_s, mask=cols < N, other=0.0).to(tl.float32)
-    y = _normed(x, w, rstd, DTYPE, NORM, HAS_WEIGHT)
+    y = x
+    if NORM:
+        y = _normed(x, w, rstd, DTYPE, HAS_WEIGHT).to(tl.float32)
 
     if ROPE:
         HALF: tl.constexpr = ROT // 2
@@ -210,7 +213,9 @@ def _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, 
         if NORM and HAS_WEIGHT:
             wp = tl.load(w_ptr + partner * w_s, mask=cols < N, other=0.0).to(tl.float32)
         xp = tl.load(x_ptr + starts[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        yp = _normed(xp, wp, rstd, DTYPE, NORM, HAS_WEIGHT)
+        yp = xp
+        if NORM:
+            yp = _normed(xp, wp, rstd, DTYPE, HAS_WEIGHT).to(tl.float32)
         rotated = tl.where(first[None, :], -yp, yp)
         t_starts = _row_starts(rows, d1, d2, t_s0, t_s1, t_s2)
         t_mask = row_mask[:, None] & in_rot[None, :]

@@ -49,6 +49,14 @@ def cases():
         yield "geglu", f"{B}x{S}x{FFN}", (gate, up), ops.geglu, references.geglu, 3 * act
         fused = torch.cat([gate, up], dim=-1)
         yield "geglu fused [.., 2F]", f"{B}x{S}x{2 * FFN}", (fused, None), ops.geglu, references.geglu, 3 * act
+        # the erf path (fp16/fp32, and bf16 where the table is refused): its launcher directly
+        yield "geglu erf path (kernel)", f"{B}x{S}x{FFN}", (gate, up), erf_geglu, references.geglu, 3 * act
+
+
+def erf_geglu(gate, up):
+    from exactdit.kernels import geglu as kernels
+
+    return kernels.geglu(gate, up, torch.empty_like(gate))
 
 
 def tune(bw):

@@ -30,7 +30,7 @@ from common import D, FFN, HEAD_DIM, HEADS, S  # noqa: E402
 from compile_for_gpu import captured, compile_launch  # noqa: E402
 
 from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD  # noqa: E402
-from exactdit.ops.geglu import GEGLU  # noqa: E402
+from exactdit.kernels import geglu as geglu_kernels  # noqa: E402
 from exactdit.ops.layer_norm import LAYER_NORM_MODULATE  # noqa: E402
 from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM_MODULATE  # noqa: E402
 from exactdit.ops.rope import QK_NORM_ROPE  # noqa: E402
@@ -50,7 +50,8 @@ def calls():
     yield "rms_norm_modulate", lambda: RMS_NORM_MODULATE.fused(x, None, 1e-6, vec, vec, True)
     yield "gated_rms_norm_modulate", lambda: GATED_RMS_NORM_MODULATE.fused(x, x, vec, None, 1e-6, vec, vec, True)
     yield "qk_norm_rope", lambda: QK_NORM_ROPE.fused(q, q, w, w, 1e-6, tables)
-    yield "geglu", lambda: GEGLU.fused(gate, gate)
+    yield "geglu (erf)", lambda: geglu_kernels.geglu(gate, gate, gate)
+    yield "geglu (bf16 table)", lambda: geglu_kernels.geglu(gate, gate, gate, torch.zeros(2 * geglu_kernels.TABLE_WINDOW, dtype=bf))
     yield "layer_norm_modulate", lambda: LAYER_NORM_MODULATE.fused(x, 1e-6, vec, vec, None, None, False)
 
 

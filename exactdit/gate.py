@@ -119,7 +119,8 @@ def _op_stats(name: str) -> _OpStats:
     return st
 
 
-def _cannot_sync() -> bool:
+def cannot_sync() -> bool:
+    """True while torch.compile traces or a CUDA graph is captured: no host sync allowed."""
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -203,7 +204,7 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     if trusted or _flag("EXACTDIT_TRUST"):
         _count_fused(st)
         return op.fused(*args)
-    if _cannot_sync():
+    if cannot_sync():
         _count_eager(st, "unverified signature during compile or graph capture")
         return op.reference(*args)
     if op.cuda_numerics and args_device(args).type != "cuda":

@@ -10,6 +10,7 @@ equals CUDA's ``erff`` is a GPU question: tests/test_gpu_geglu.py.)
 """
 
 import itertools
+import sys
 import math
 
 import numpy as np
@@ -143,3 +144,81 @@ def test_public_op_runs_eager_on_cpu_and_validates():
     assert rep["fused"] == 0 and rep["eager"] == 2
     with pytest.raises(ValueError):
         ops.geglu(rand((4, 63), torch.bfloat16, DEVICE, g))
+
+
+# --- the bf16 table path ---------------------------------------------------------------------
+
+geglu_op = sys.modules["exactdit.ops.geglu"]  # the module (``exactdit.ops.geglu`` is the function)
+
+
+def model_gelu(x):
+    """The order model's bf16 GELU with the GPU's canonical NaN (0x7FFF), as a table source."""
+    y = aten_norms.gelu_candidates(erf_interp)["src"](x.float()).to(x.dtype)
+    return torch.where(torch.isnan(y), torch.tensor(0x7FFF, dtype=torch.int16).view(x.dtype), y)
+
+
+@pytest.fixture
+def fresh_tables(monkeypatch):
+    monkeypatch.setattr(geglu_op, "_tables", {})
+    monkeypatch.setattr(geglu_op, "_refused", {})
+
+
+def test_table_path_every_gate_value():
+    """Every bf16 gate, subnormals included (the table path widens by bits), against the model,
+    with the table taken from the model: checks the window, the index arithmetic and the
+    saturated forms outside the window."""
+    table, why = geglu_op.build_gelu_table(DEVICE, model_gelu)
+    assert why is None and table.shape == (2 * kernels.TABLE_WINDOW,)
+    g = torch.Generator().manual_seed(4)
+    gate = all_values(torch.bfloat16).to(DEVICE)
+    up = rand(gate.shape, torch.bfloat16, DEVICE, g)
+    out = kernels.geglu(gate, up, torch.empty_like(gate), table)
+    assert_same(out, model(gate, up))
+    fused = torch.cat([gate, up], dim=-1)  # [..., 2F] projection, odd tile counts per program
+    assert_same(kernels.geglu(*fused[:37].chunk(2, -1), torch.empty_like(gate[:37]), table), model(gate[:37], up[:37]))
+
+
+def test_table_check_refuses_wrong_tables():
+    """The check compares the kernel with eager over all 2^16 gates: an eager GELU that breaks
+    one of the kernel's saturation rules outside the window in one value (above it, below it),
+    or ATen's CPU GELU (which flushes subnormal results and gives NaN for +Inf), and the table
+    is refused."""
+    for bits, value in [(0x41A0, 19.0), (0xC1A0, -1e-30), (0x3000, 0.0)]:  # gelu(20), gelu(-20), gelu(2^-31)
+        def one_value_off(x):
+            y = model_gelu(x).clone()
+            y[bits] = value
+            return y
+
+        table, why = geglu_op.build_gelu_table(DEVICE, one_value_off)
+        assert table is None and f"1 of 65536 elements differ, first at index ({bits},)" in why
+    table, why = geglu_op.build_gelu_table(DEVICE)  # ATen's CPU GELU
+    assert table is None and "elements differ" in why
+
+
+def test_op_takes_the_table_path_when_checked(fresh_tables, monkeypatch):
+    real_build = geglu_op.build_gelu_table
+    monkeypatch.setattr(geglu_op, "build_gelu_table", lambda device: real_build(device, model_gelu))
+    gate = rand((3, 40), torch.bfloat16, DEVICE, torch.Generator().manual_seed(5))
+    assert GEGLU.signature(gate, gate)[0] == "table"
+    assert_same(GEGLU.fused(gate, gate), model(gate, gate))
+    monkeypatch.setattr(geglu_op, "USE_TABLE", False)
+    assert GEGLU.signature(gate, gate)[0] == f"erf form {kernels.GELU_FORM}"
+    assert GEGLU.signature(gate.half(), gate.half())[0] == f"erf form {kernels.GELU_FORM}"
+
+
+def test_refused_table_falls_back_to_erf(fresh_tables, caplog):
+    gate = rand((3, 40), torch.bfloat16, DEVICE, torch.Generator().manual_seed(6))
+    with caplog.at_level("WARNING", logger="exactdit"):
+        assert geglu_op.gelu_table(gate.device) is None  # ATen's CPU GELU fails the check
+    assert "computes bf16 GELU with erf" in caplog.text
+    assert "elements differ" in geglu_op.table_status()[str(gate.device)]
+    assert GEGLU.signature(gate, gate)[0] == f"erf form {kernels.GELU_FORM}"
+
+
+def test_no_table_is_built_during_capture(fresh_tables, monkeypatch):
+    """Building and checking a table needs a host sync: during graph capture or compilation
+    the device is settled on erf for good (a path never changes under a verified signature)."""
+    monkeypatch.setattr(geglu_op, "cannot_sync", lambda: True)
+    monkeypatch.setattr(geglu_op, "build_gelu_table", lambda *a: pytest.fail("built during capture"))
+    assert geglu_op.gelu_table(torch.device(DEVICE)) is None
+    assert "graph capture" in geglu_op.table_status()[str(torch.device(DEVICE))]

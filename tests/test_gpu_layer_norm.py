@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 # Each (dtype, width, affine, modulation) is its own compilation: the case lists are kept short.
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-ROWS = [1, 2, 17, 255, 4224, 8448]
+ROWS = [1, 2, 17, 255, 4224, 8448, 4097]
 # multiples of 512 (every thread has the same count), other multiples of 4 (unequal counts)
 WIDTHS = [64, 1536, 3072, 4096, 5120, 6144, 4, 12, 100, 1000, 2052, 4100, 6148]
 AFFINE = ["none", "weight", "both"]  # bias-only runs eager (see ops.layer_norm)

@@ -120,13 +120,14 @@ def test_runtime_loops(monkeypatch):
 
 
 def test_constant_reciprocals_are_correctly_rounded():
-    """The unrolled kernel uses Python's ``1.0 / c`` rounded to fp32 as ATen's fp32 ``1.f / c``
-    (``div.rn``): no double-rounding case for the counts it can meet."""
+    """The unrolled kernel (per-element counts) and the tree of equal-count states (D % 512 == 0)
+    use Python's ``1.0 / c`` rounded to fp32 as ATen's fp32 ``1.f / c`` (``div.rn``): no
+    double-rounding case for the counts they can meet."""
     import numpy as np
 
-    c = np.arange(1, 4097, dtype=np.float32)
-    assert np.array_equal(np.float32(1.0) / c, np.array([1.0 / k for k in range(1, 4097)], dtype=np.float32))
-    assert kernels.MAX_UNROLL * 4 <= 4096
+    c = np.arange(1, kernels.MAX_CONSTANT_COUNT + 1, dtype=np.float64)
+    assert np.array_equal(np.float32(1.0) / c.astype(np.float32), (1.0 / c).astype(np.float32))
+    assert kernels.MAX_UNROLL * 4 <= kernels.MAX_CONSTANT_COUNT
 
 
 def test_mean_fma_choice_matters():

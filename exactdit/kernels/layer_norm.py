@@ -45,6 +45,9 @@ THREADS = 128  # ATen's block: 4 warps of 32 threads
 VEC = 4  # elements per vector load, for every dtype
 #: widest row (in 512-element iterations per thread) whose loops are unrolled: D <= 8192
 MAX_UNROLL = 16
+#: largest count whose reciprocal the kernel takes as a constant (Python's ``1 / c`` rounded to
+#: fp32 equals the correctly rounded fp32 ``1 / c`` for every c up to here: tested)
+MAX_CONSTANT_COUNT = 2**20
 
 
 if INTERPRET:
@@ -75,7 +78,8 @@ def _reciprocal(x, RCP_APPROX: tl.constexpr):
 
 
 @triton.jit
-def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+             COUNT: tl.constexpr):
     """ATen's ``cuWelfordCombine(dataB=(bm, bs, bc), dataA=(am, as_, ac))`` (B is the lane or
     warp that keeps the result, A the one it receives):
 
@@ -83,11 +87,21 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
     nA = A.count * coef; nB = B.count * coef; mean = nA * A.mean + nB * B.mean (FMA per
     MEAN_FMA); m2 = fma((delta * delta) * A.count, nB, A.m2 + B.m2) (SIGMA_FMA); count 0 gives
     mean = m2 = 0.
+    COUNT > 0: both states are known to hold COUNT elements, so ``count`` and ``coef`` are
+    constants (``coef`` is Python's ``1 / (2 * COUNT)`` rounded to fp32, which equals the
+    correctly rounded fp32 reciprocal for every count the kernel meets: tested).
     """
     delta = sub_rn(bm, am)
-    count = add_rn(ac, bc)
+    if COUNT > 0:
+        count = tl.full(bm.shape, 2.0 * COUNT, tl.float32)
+        coef = tl.full(bm.shape, 1.0 / (2 * COUNT), tl.float32)
+        RECIPROCAL_FROM_COUNT: tl.constexpr = False
+    else:
+        count = add_rn(ac, bc)
+        RECIPROCAL_FROM_COUNT: tl.constexpr = True
     pos = count > 0.0
-    coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
+    if RECIPROCAL_FROM_COUNT:
+        coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
     na = mul_rn(ac, coef)
     nb = mul_rn(bc, coef)
     if MEAN_FMA == 1:
@@ -101,27 +115,30 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
         m2 = tl.fma(t, nb, add_rn(as_, bs))
     else:
         m2 = add_rn(add_rn(as_, bs), mul_rn(t, nb))
-    return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
+    if COUNT > 0:
+        return mean, m2, count
+    else:
+        return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
 
 
 @triton.jit
 def _shuffle_down(
     mean, m2, cnt, t, OFFSET: tl.constexpr,
-    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, SAME_COUNT: tl.constexpr,
+    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One tree step over the 128 thread states: thread t keeps ``combine(own=t, other=t +
     OFFSET)``. Only threads whose partner is meaningful feed the final result (as with
-    ATen's shuffle-down, lanes >= offset compute values nobody reads again). SAME_COUNT: every
-    state that matters has the same count (D % 512 == 0), so the partner's count is known."""
+    ATen's shuffle-down, lanes >= offset compute values nobody reads again). COUNT > 0: every
+    state that matters holds COUNT elements (D % 512 == 0), so counts are constants."""
     AXIS: tl.constexpr = len(t.shape) - 1
     src = tl.minimum(t + OFFSET, t.shape[AXIS] - 1)
     am = tl.gather(mean, src, AXIS)
     as_ = tl.gather(m2, src, AXIS)
-    if SAME_COUNT:
+    if COUNT > 0:
         ac = cnt
     else:
         ac = tl.gather(cnt, src, AXIS)
-    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX)
+    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, COUNT)
 
 
 @triton.jit
@@ -189,7 +206,7 @@ def _welford_vector(
 def _row_stats(
     x_ptr, row_start, width, eps,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
-    FULL: tl.constexpr,
+    FULL: tl.constexpr, TREE_COUNT: tl.constexpr,
 ):
     """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
 
@@ -213,15 +230,17 @@ def _row_stats(
     mean = tl.reshape(mean, (4, 32))
     m2 = tl.reshape(m2, (4, 32))
     cnt = tl.reshape(cnt, (4, 32))
+    # TREE_COUNT: every thread's count when all hold the same number of elements, else 0
+    C: tl.constexpr = TREE_COUNT
     for k in tl.static_range(5):
-        mean, m2, cnt = _shuffle_down(mean, m2, cnt, lane, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+        mean, m2, cnt = _shuffle_down(mean, m2, cnt, lane, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C << k)
     # lane 0 of each warp, as a [4] vector over warps
     mean = _lane0(mean, lane)
     m2 = _lane0(m2, lane)
     cnt = _lane0(cnt, lane)
     w = tl.arange(0, 4)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
-    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, FULL)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C << 5)
+    mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C << 6)
     mean = _lane0(mean, w)
     m2 = _lane0(m2, w)
     var = div_rn(m2, tl.full((), width, tl.float32))
@@ -287,7 +306,7 @@ def layer_norm_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
-    N_ITER: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
+    N_ITER: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr, TREE_COUNT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
     path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
@@ -297,11 +316,12 @@ def layer_norm_kernel(
     are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
     arrives as fp32. N_ITER / N_OUT: trip counts of the statistics and output loops when they
     are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops; FULL: D % 512 == 0 (every
-    thread has a vector in every iteration).
+    thread has a vector in every iteration); TREE_COUNT: the elements per thread when FULL and
+    the combine's reciprocals can be constants (see ``_combine``), else 0.
     """
     row = tl.program_id(0)
     x_start = row_offsets(row, inner, x_so, x_si)
-    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER, FULL)
+    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER, FULL, TREE_COUNT)
     o_start = row_offsets(row, inner, o_so, o_si)
     sc_start = row_offsets(row, inner, sc_so, sc_si)  # unused without MODULATE
     sh_start = row_offsets(row, inner, sh_so, sh_si)
@@ -335,12 +355,15 @@ def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, 
     n_iter = -(-(width // VEC) // THREADS)
     n_out = -(-width // block)
     unroll = n_iter <= MAX_UNROLL
+    full = width % (VEC * THREADS) == 0
+    # constant reciprocals in the tree: correctly rounded counts only, up to the tested 2**20
+    tree_count = width // THREADS if full and not ch["rcp_approx"] and width <= MAX_CONSTANT_COUNT else 0
     layer_norm_kernel[(n_rows,)](
         x, x if weight is None else weight, x if bias is None else bias, sc, sh, out,
         inner, width, eps32, *strides,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
         MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
-        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=width % (VEC * THREADS) == 0, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=full, TREE_COUNT=tree_count, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out

@@ -1,6 +1,7 @@
 """Benchmark layer_norm and layer_norm_modulate: eager vs torch.compile vs exactdit vs the floor.
 
-Run on a CUDA GPU from the repository root: ``python benchmarks/bench_layer_norm.py``.
+Run on a CUDA GPU from the repository root: ``python benchmarks/bench_layer_norm.py``
+(``--tune``: only a sweep of the warps per program, ``kernels.layer_norm.NUM_WARPS``).
 Prints a Markdown table and writes ``bench_layer_norm.json`` and ``bench_layer_norm.md`` (to
 $OUT when set). GPU time is measured inside a CUDA graph (``do_bench_cudagraph``: no launch
 overhead), call time with plain ``do_bench`` (includes Python and the gate's dispatch). The
@@ -53,8 +54,31 @@ def cases():
     yield "layer_norm w+b", (4224, 3072), (x, 1e-6, w, b), {}, ops.layer_norm, references.layer_norm, False
 
 
+def tune(bw):
+    """Warps per program x the main cases (ERNIE-Image's shapes, a narrow and an affine width)."""
+    from exactdit.kernels import layer_norm as kernels
+
+    rows = []
+    picked = [c for c in cases() if c[1] in ((4224, 4096), (4224, 1536), (4224, 3072))]
+    os.environ["EXACTDIT_TRUST"] = "1"
+    for warps in (1, 2, 4, 8):
+        kernels.NUM_WARPS = warps
+        for name, shape, args, kwargs, op, ref, _ in picked:
+            nbytes = 2 * args[0].numel() * args[0].element_size()
+            us = graph_us(lambda: op(*args, **kwargs))
+            rows.append({"warps": warps, "op": name, "shape": "x".join(map(str, shape)), "us": us,
+                         "x_floor": us / (nbytes / (bw * 1e9) * 1e6),
+                         "bit_exact": bool(torch.equal(op(*args, **kwargs), ref(*args, **kwargs)))})
+    os.environ.pop("EXACTDIT_TRUST")
+    print(table([dict(r, x_floor=f"{r['x_floor']:.2f}") for r in rows], ["warps", "op", "shape", "us", "x_floor", "bit_exact"]))
+    return rows
+
+
 def main():
     bw = copy_bandwidth_gbs()
+    if "--tune" in sys.argv:
+        print(write_json("bench_layer_norm_tune.json", {"env": environment(), "copy_gbs": bw, "tune": tune(bw)}))
+        return
     rows = []
     for name, shape, args, kwargs, op, ref, with_compile in cases():
         x = args[0]

@@ -42,6 +42,9 @@ _MEAN_FMA = {"none": MEAN_FMA_NONE, "first": MEAN_FMA_FIRST, "second": MEAN_FMA_
 CHOICES = {"mean_fma": "first", "sigma_fma": True, "rcp_approx": False}
 
 THREADS = 128  # ATen's block: 4 warps of 32 threads
+#: warps per program. The kernel's tensors model ATen's 128 threads whatever the warp count (a
+#: layout choice that changes no bits), so fewer warps means each thread plays several of them.
+NUM_WARPS = 4
 VEC = 4  # elements per vector load, for every dtype
 #: widest row (in 512-element iterations per thread) whose loops are unrolled: D <= 8192
 MAX_UNROLL = 16
@@ -364,6 +367,6 @@ def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, 
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
         MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
-        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=full, TREE_COUNT=tree_count, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS,
+        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=full, TREE_COUNT=tree_count, BLOCK=block, num_warps=NUM_WARPS, **LAUNCH_OPTIONS,
     )
     return out

@@ -87,8 +87,7 @@ def test_no_flush_to_zero_outside_libdevice(compiled):
 
 
 #: cases whose half-dtype arithmetic is all or partly packed dtype ops
-PACKED = {"residual_gate_add", "modulate native", "modulate no shift"} | {
-    f"gated_rms_norm_modulate D={D}" for D in (4096, 64, 100, 1001)}
+PACKED = {"residual_gate_add", "modulate native", "modulate no shift"}
 
 
 def test_bf16_results_use_the_hardware_rounding(compiled):

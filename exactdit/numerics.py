@@ -235,52 +235,56 @@ def _packed(a, b, ASM_BF16: tl.constexpr, ASM_F16: tl.constexpr):
         return tl.inline_asm_elementwise(ASM_F16, "=r,r,r", [a, b], dtype=tl.float16, is_pure=True, pack=2)
 
 
+#: ``_dtype_op`` codes
+_MUL, _ADD, _SUB = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _fp32_op(x, y, OP: tl.constexpr):
+    if OP == 0:
+        return mul_rn(x, y)
+    elif OP == 1:
+        return add_rn(x, y)
+    else:
+        return sub_rn(x, y)
+
+
 if INTERPRET:
 
     @triton.jit
-    def dtype_mul(a, b):
-        """``a * b`` for two tensors of one dtype (bf16, fp16, fp32) as the eager op: the fp32
-        product rounded once to the dtype (on the GPU: packed pairs, see the module docstring)."""
-        return round_to(mul_rn(_widened(a), _widened(b)), a.dtype)
-
-    @triton.jit
-    def dtype_add(a, b):
-        """``a + b`` for two tensors of one dtype as the eager op (see ``dtype_mul``)."""
-        return round_to(add_rn(_widened(a), _widened(b)), a.dtype)
-
-    @triton.jit
-    def dtype_sub(a, b):
-        """``a - b`` (also ``a + (-b)``: IEEE defines them as one operation) for two tensors of
-        one dtype as the eager op (see ``dtype_mul``)."""
-        return round_to(sub_rn(_widened(a), _widened(b)), a.dtype)
+    def _dtype_op(a, b, OP: tl.constexpr, ASM_BF16: tl.constexpr, ASM_F16: tl.constexpr):
+        """The eager op as its definition: fp32 op, one rounding to the dtype."""
+        return round_to(_fp32_op(_widened(a), _widened(b), OP), a.dtype)
 
 else:
 
     @triton.jit
-    def dtype_mul(a, b):
-        """``a * b`` for two tensors of one dtype (bf16, fp16, fp32) as the eager op: the fp32
-        product rounded once to the dtype, done on packed pairs (module docstring)."""
+    def _dtype_op(a, b, OP: tl.constexpr, ASM_BF16: tl.constexpr, ASM_F16: tl.constexpr):
+        """The eager op on packed pairs (half dtypes) or as one ``.rn`` fp32 op."""
         if a.dtype == tl.float32:
-            return mul_rn(a, b)
+            return _fp32_op(a, b, OP)
         else:
-            return _packed(a, b, _MUL_BF16, _MUL_F16)
+            return _packed(a, b, ASM_BF16, ASM_F16)
 
-    @triton.jit
-    def dtype_add(a, b):
-        """``a + b`` for two tensors of one dtype as the eager op (see ``dtype_mul``)."""
-        if a.dtype == tl.float32:
-            return add_rn(a, b)
-        else:
-            return _packed(a, b, _ADD_BF16, _ADD_F16)
 
-    @triton.jit
-    def dtype_sub(a, b):
-        """``a - b`` (also ``a + (-b)``: IEEE defines them as one operation) for two tensors of
-        one dtype as the eager op (see ``dtype_mul``)."""
-        if a.dtype == tl.float32:
-            return sub_rn(a, b)
-        else:
-            return _packed(a, b, _SUB_BF16, _SUB_F16)
+@triton.jit
+def dtype_mul(a, b):
+    """``a * b`` for two tensors of one dtype (bf16, fp16, fp32) as the eager op: the fp32
+    product rounded once to the dtype (on the GPU: packed pairs, see the module docstring)."""
+    return _dtype_op(a, b, _MUL, _MUL_BF16, _MUL_F16)
+
+
+@triton.jit
+def dtype_add(a, b):
+    """``a + b`` for two tensors of one dtype as the eager op (see ``dtype_mul``)."""
+    return _dtype_op(a, b, _ADD, _ADD_BF16, _ADD_F16)
+
+
+@triton.jit
+def dtype_sub(a, b):
+    """``a - b`` (also ``a + (-b)``: IEEE defines them as one operation) for two tensors of one
+    dtype as the eager op (see ``dtype_mul``)."""
+    return _dtype_op(a, b, _SUB, _SUB_BF16, _SUB_F16)
 
 
 @triton.jit

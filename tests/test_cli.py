@@ -268,6 +268,15 @@ def test_selfcheck_holds_every_op_to_eager():
         assert op in result.output
 
 
+def test_selfcheck_says_how_bf16_gelu_runs(monkeypatch):
+    from exactdit import selfcheck
+
+    monkeypatch.setattr(selfcheck.ops, "gelu_table_status", lambda: {"cuda:0": "table", "cuda:1": "no reason"})
+    result = invoke("selfcheck")
+    assert "geglu: bf16 GELU on cuda:0 by table, checked on all 2^16 inputs" in result.output
+    assert "geglu: bf16 GELU on cuda:1 by erf (no reason)" in result.output
+
+
 def test_selfcheck_exits_non_zero_when_an_op_differs(monkeypatch):
     from exactdit import selfcheck
 

@@ -11,10 +11,11 @@ Two ways to get eager's GELU bits:
   kernel issue-bound rather than memory-bound.
 * table path (bf16): a bf16 gate has only 2^16 values, so GELU's bf16 output is a lookup. The
   table holds eager's own ``F.gelu`` of every bf16 value in a window of magnitudes
-  ``[2^-12, 2^4)`` (``gelu_table``); outside it GELU saturates: ``1 + erf`` is 2 (x >= 16),
-  0 (x <= -16) or rounds away (|x| < 2^-12), so eager's bits are ``bf16(fl(x * 0.5) * f)``
-  with f = 2, 0 or 1. The op layer checks the kernel against eager on all 2^16 gates before
-  it uses a table, so the window rules are verified, not assumed.
+  ``[2^-12, 2^4)`` (``gelu_table``). Outside it GELU saturates: for |x| >= 16 ``1 + erf`` is
+  exactly 2 or 0 in fp32, and for |x| < 2^-12 GELU lies within half a bf16 ulp of x / 2, so
+  eager's bits are ``bf16(fl(x * 0.5) * f)`` with f = 2, 0 or 1. The op layer checks the
+  kernel against eager on all 2^16 gates before it uses a table, so these rules are verified,
+  not assumed.
 """
 
 from __future__ import annotations

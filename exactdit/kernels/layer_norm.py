@@ -98,13 +98,9 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
     if COUNT > 0:
         count = tl.full(bm.shape, 2.0 * COUNT, tl.float32)
         coef = tl.full(bm.shape, 1.0 / (2 * COUNT), tl.float32)
-        RECIPROCAL_FROM_COUNT: tl.constexpr = False
     else:
         count = add_rn(ac, bc)
-        RECIPROCAL_FROM_COUNT: tl.constexpr = True
-    pos = count > 0.0
-    if RECIPROCAL_FROM_COUNT:
-        coef = _reciprocal(tl.where(pos, count, 1.0), RCP_APPROX)
+        coef = _reciprocal(tl.where(count > 0.0, count, 1.0), RCP_APPROX)
     na = mul_rn(ac, coef)
     nb = mul_rn(bc, coef)
     if MEAN_FMA == 1:
@@ -121,6 +117,7 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
     if COUNT > 0:
         return mean, m2, count
     else:
+        pos = count > 0.0
         return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
 
 

@@ -203,7 +203,7 @@ else:
 
 
 @triton.jit
-def _widened(a):
+def widen(a):
     """A bf16/fp16/fp32 value as fp32, exactly (bits for bf16: the interpreter's conversion is
     wrong for subnormal bf16)."""
     if a.dtype == tl.bfloat16:
@@ -254,7 +254,7 @@ if INTERPRET:
     @triton.jit
     def _dtype_op(a, b, OP: tl.constexpr, ASM_BF16: tl.constexpr, ASM_F16: tl.constexpr):
         """The eager op as its definition: fp32 op, one rounding to the dtype."""
-        return round_to(_fp32_op(_widened(a), _widened(b), OP), a.dtype)
+        return round_to(_fp32_op(widen(a), widen(b), OP), a.dtype)
 
 else:
 

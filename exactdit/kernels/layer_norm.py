@@ -150,25 +150,17 @@ def _lane0(v, lane):
 
 
 @triton.jit
-def _welford_vector(
-    x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr, FULL: tl.constexpr
-):
-    """Iteration ``j`` of every thread's loop: thread t folds the 4 elements of its vector
-    ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
+def welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr,
+                   FULL: tl.constexpr):
+    """Iteration ``j`` of every thread's loop: thread t folds the 4 fp32 values ``tile[t]`` of
+    its vector ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
     delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
     The count of an element is the same for every thread that has it (4 * j + i + 1). With
     CONST_RCP (j a constexpr) ``1 / count`` is a compile-time constant: the fp32 rounding of
     Python's float64 ``1 / c`` equals the correctly rounded fp32 ``1 / c`` for every c <= 4096
     (checked in the tests), so it equals ATen's ``div.rn`` result. FULL: every thread has
     vector j (D % 512 == 0), so no masks."""
-    t = tl.arange(0, 128)
-    vec = j * 128 + t
-    valid = vec < n_vec
-    offs = (vec * 4)[:, None] + tl.arange(0, 4)[None, :]
-    if FULL:
-        tile = tl.load(x_ptr + row_start + offs).to(tl.float32)
-    else:
-        tile = tl.load(x_ptr + row_start + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    valid = j * 128 + tl.arange(0, 128) < n_vec
     even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
     v0, v2 = tl.split(even)
     v1, v3 = tl.split(odd)
@@ -203,6 +195,25 @@ def _welford_vector(
 
 
 @triton.jit
+def vector_columns(j):
+    """Columns of iteration ``j``'s [128, 4] tile: row t holds thread t's vector ``j * 128 + t``."""
+    return ((j * 128 + tl.arange(0, 128)) * 4)[:, None] + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def _welford_vector(
+    x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr, FULL: tl.constexpr
+):
+    """``welford_update`` with the tile read from the row at ``row_start``."""
+    offs = vector_columns(j)
+    if FULL:
+        tile = tl.load(x_ptr + row_start + offs).to(tl.float32)
+    else:
+        tile = tl.load(x_ptr + row_start + offs, mask=offs < n_vec * 4, other=0.0).to(tl.float32)
+    return welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX, CONST_RCP, FULL)
+
+
+@triton.jit
 def _row_stats(
     x_ptr, row_start, width, eps,
     MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
@@ -223,6 +234,14 @@ def _row_stats(
     else:
         for j in range(0, tl.cdiv(n_vec, 128)):
             mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False, FULL)
+    return welford_finish(mean, m2, cnt, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, TREE_COUNT)
+
+
+@triton.jit
+def welford_finish(mean, m2, cnt, width, eps, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr,
+                   RCP_APPROX: tl.constexpr, TREE_COUNT: tl.constexpr):
+    """(mean, rstd) of a row from its 128 thread states: ATen's warp trees and cross-warp
+    combine, ``var = m2 / N`` (div.rn), ``rstd = rsqrt.approx(var + eps)``."""
     # warp trees (offsets 16..1 inside each warp of 32 threads), then across warps: thread 0
     # of warp 0 / 1 takes warp 2 / 3 (offset 64), then warp 0 takes warp 1 (offset 32)
     # ([warp, lane] view: the lane steps gather along a warp-local axis, i.e. by shuffles)
@@ -249,7 +268,7 @@ def _row_stats(
 
 
 @triton.jit
-def _normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+def normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """ATen's output expression in fp32 (before the cast), d = x - mean, t = rstd * d:
     weight and bias ``fma(w, t, b)``; weight ``w * t``; bias ``fma(rstd, d, b)``; neither ``t``.
     The bias-only form is the order model's and did NOT match eager on the H200 probe: the op
@@ -287,7 +306,7 @@ def _write_chunk(
         w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    y = _normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+    y = normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
     y = round_to(y, DTYPE)
     if MODULATE:
         scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0)

@@ -51,7 +51,7 @@ def _halving_tree(v, ROWS: tl.constexpr, OUTER: tl.constexpr, N: tl.constexpr, L
 
 
 @triton.jit
-def _row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr,
+def row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr,
                LOG_BW: tl.constexpr, LOG_WY: tl.constexpr, VECTORIZED: tl.constexpr):
     """Per-thread combine ``((a0 + a1) + a2) + a3``, then the lane tree, then the warp tree.
 
@@ -178,7 +178,7 @@ def rms_norm_kernel(
                 a2 = add_rn(a2, sq)
             else:
                 a3 = add_rn(a3, sq)
-    total = _row_total(acc, a1, a2, a3, ROWS, BW, WY, LOG_BW, LOG_WY, VECTORIZED)
+    total = row_total(acc, a1, a2, a3, ROWS, BW, WY, LOG_BW, LOG_WY, VECTORIZED)
     var = mul_rn(total, as_fp32(factor))
     if WRITE_VAR:
         tl.store(var_ptr + rows, var, mask=row_ok)

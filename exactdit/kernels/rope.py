@@ -49,7 +49,7 @@ def _halving_tree(a, ROWS: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
-def _block_sum(acc, ROWS: tl.constexpr, LANES: tl.constexpr):
+def block_sum(acc, ROWS: tl.constexpr, LANES: tl.constexpr):
     """ATen's block reduction of per-thread sums ``acc`` [ROWS, LANES]: a shuffle-down tree per
     32-lane warp, then the warp sums folded in halves, ``(w0 + w2) + (w1 + w3)``."""
     if LANES > 32:
@@ -70,7 +70,7 @@ def _row_starts(rows, d1, d2, s0, s1, s2):
 
 
 @triton.jit
-def _square_accumulate(acc, v, SQUARE_FMA: tl.constexpr):
+def square_accumulate(acc, v, SQUARE_FMA: tl.constexpr):
     if SQUARE_FMA:
         return tl.fma(v, v, acc)
     else:
@@ -78,17 +78,17 @@ def _square_accumulate(acc, v, SQUARE_FMA: tl.constexpr):
 
 
 @triton.jit
-def _thread_sums_from_tile(x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUARE_FMA: tl.constexpr):
+def thread_sums_from_tile(x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUARE_FMA: tl.constexpr):
     """Per-thread sums of squares when each thread owns at most one vector (N <= 512), taken
     from the row tile ``x`` [BLOCK_R, 4 * LANES] already in registers (zeros past the row end):
     lane t's elements 4t, 4t+1, 4t+2, 4t+3 are split out and accumulated in that order."""
     pairs_lo, pairs_hi = tl.split(tl.reshape(x, [BLOCK_R, LANES, 2, 2]))  # 4t + {0, 2}, 4t + {1, 3}
     v0, v2 = tl.split(pairs_lo)
     v1, v3 = tl.split(pairs_hi)
-    acc = _square_accumulate(tl.zeros([BLOCK_R, LANES], dtype=tl.float32), v0, SQUARE_FMA)
-    acc = _square_accumulate(acc, v1, SQUARE_FMA)
-    acc = _square_accumulate(acc, v2, SQUARE_FMA)
-    return _square_accumulate(acc, v3, SQUARE_FMA)
+    acc = square_accumulate(tl.zeros([BLOCK_R, LANES], dtype=tl.float32), v0, SQUARE_FMA)
+    acc = square_accumulate(acc, v1, SQUARE_FMA)
+    acc = square_accumulate(acc, v2, SQUARE_FMA)
+    return square_accumulate(acc, v3, SQUARE_FMA)
 
 
 @triton.jit
@@ -103,13 +103,13 @@ def _thread_sums_from_memory(x_ptr, starts, row_mask, N: tl.constexpr, ITERS: tl
         mask = row_mask[:, None] & (vec < N // 4)[None, :]
         for e in tl.static_range(4):
             v = tl.load(x_ptr + starts[:, None] + (vec * 4 + e)[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc = _square_accumulate(acc, v, SQUARE_FMA)
+            acc = square_accumulate(acc, v, SQUARE_FMA)
     return acc
 
 
 @triton.jit
 def _block_sum_halves(acc_lo, acc_hi, BLOCK_R: tl.constexpr, LANES: tl.constexpr):
-    """``_block_sum`` of the lanes ``cat(acc_lo, acc_hi)`` (each [BLOCK_R, LANES // 2]) without
+    """``block_sum`` of the lanes ``cat(acc_lo, acc_hi)`` (each [BLOCK_R, LANES // 2]) without
     joining them: within one warp the tree's first step adds lane l + LANES/2 to lane l; across
     warps the first step adds warp w + W/2 to warp w. Either way the halves add elementwise."""
     if LANES > 32:
@@ -122,11 +122,12 @@ def _block_sum_halves(acc_lo, acc_hi, BLOCK_R: tl.constexpr, LANES: tl.constexpr
 
 
 @triton.jit
-def _normed(x, w, rstd, DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """``F.rms_norm`` output ``round(w * (rstd * x))`` (x, w fp32) in DTYPE."""
-    y = mul_rn(rstd[:, None], x)
+def rms_normed(x, w, rstd, DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """``F.rms_norm`` output ``round(w * (rstd * x))`` in DTYPE; x, w, rstd fp32 tensors that
+    broadcast to the output tile."""
+    y = mul_rn(rstd, x)
     if HAS_WEIGHT:
-        y = mul_rn(w[None, :], y)
+        y = mul_rn(w, y)
     return round_to(y, DTYPE)
 
 
@@ -148,8 +149,8 @@ def _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, s
     if NORM:
         x_lo = y_lo.to(tl.float32)
         x_hi = y_hi.to(tl.float32)
-        acc_lo = _thread_sums_from_tile(x_lo, BLOCK_R, HALF // 4, SQUARE_FMA)
-        acc_hi = _thread_sums_from_tile(x_hi, BLOCK_R, HALF // 4, SQUARE_FMA)
+        acc_lo = thread_sums_from_tile(x_lo, BLOCK_R, HALF // 4, SQUARE_FMA)
+        acc_hi = thread_sums_from_tile(x_hi, BLOCK_R, HALF // 4, SQUARE_FMA)
         var = div_rn(_block_sum_halves(acc_lo, acc_hi, BLOCK_R, N // 4), tl.full((), N, tl.float32))
         rstd = rsqrt_approx(add_rn(var, as_fp32(eps)))
         w_lo = tl.zeros([HALF], dtype=tl.float32)
@@ -157,8 +158,8 @@ def _norm_rope_halves(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, s
         if HAS_WEIGHT:
             w_lo = tl.load(w_ptr + cols * w_s).to(tl.float32)
             w_hi = tl.load(w_ptr + (cols + HALF) * w_s).to(tl.float32)
-        y_lo = _normed(x_lo, w_lo, rstd, DTYPE, HAS_WEIGHT)
-        y_hi = _normed(x_hi, w_hi, rstd, DTYPE, HAS_WEIGHT)
+        y_lo = rms_normed(x_lo, w_lo[None, :], rstd[:, None], DTYPE, HAS_WEIGHT)
+        y_hi = rms_normed(x_hi, w_hi[None, :], rstd[:, None], DTYPE, HAS_WEIGHT)
     t_starts = _row_starts(rows, d1, d2, t_s0, t_s1, t_s2)
     cos_lo = tl.load(cos_ptr + t_starts[:, None] + cols[None, :], mask=mask, other=0.0)
     cos_hi = tl.load(cos_ptr + t_starts[:, None] + (cols + HALF)[None, :], mask=mask, other=0.0)
@@ -190,16 +191,16 @@ def _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, 
     w = tl.zeros([BLOCK_N], dtype=tl.float32)
     if NORM:
         if ITERS == 1:
-            acc = _thread_sums_from_tile(x, BLOCK_R, LANES, SQUARE_FMA)
+            acc = thread_sums_from_tile(x, BLOCK_R, LANES, SQUARE_FMA)
         else:
             acc = _thread_sums_from_memory(x_ptr, starts, row_mask, N, ITERS, BLOCK_R, SQUARE_FMA)
-        var = div_rn(_block_sum(acc, BLOCK_R, LANES), tl.full((), N, tl.float32))
+        var = div_rn(block_sum(acc, BLOCK_R, LANES), tl.full((), N, tl.float32))
         rstd = rsqrt_approx(add_rn(var, as_fp32(eps)))
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols * w_s, mask=cols < N, other=0.0).to(tl.float32)
     y = x
     if NORM:
-        y = _normed(x, w, rstd, DTYPE, HAS_WEIGHT).to(tl.float32)
+        y = rms_normed(x, w[None, :], rstd[:, None], DTYPE, HAS_WEIGHT).to(tl.float32)
 
     if ROPE:
         HALF: tl.constexpr = ROT // 2
@@ -215,7 +216,7 @@ def _norm_rope_general(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, row_mask, 
         xp = tl.load(x_ptr + starts[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         yp = xp
         if NORM:
-            yp = _normed(xp, wp, rstd, DTYPE, HAS_WEIGHT).to(tl.float32)
+            yp = rms_normed(xp, wp[None, :], rstd[:, None], DTYPE, HAS_WEIGHT).to(tl.float32)
         rotated = tl.where(first[None, :], -yp, yp)
         t_starts = _row_starts(rows, d1, d2, t_s0, t_s1, t_s2)
         t_mask = row_mask[:, None] & in_rot[None, :]

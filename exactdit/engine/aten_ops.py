@@ -1,0 +1,604 @@
+"""What each ATen op of a captured graph computes, as the engine reproduces it.
+
+One rule per op family, keyed by ATen overload:
+
+* ``Pointwise`` rules emit one eager CUDA kernel's arithmetic for one element: operands widened
+  to fp32 (ATen's opmath for bf16, fp16 and fp32), Python-number operands rounded to fp32 as
+  ``scalar_value<opmath_t>()`` does, one ``.rn`` operation, one rounding to the node's dtype.
+  Where both operands and the result are bf16 (or fp16) tensors, the packed
+  ``numerics.dtype_*`` ops give those bits in one instruction per pair.
+* ``View`` rules move an index from a view's output to its input (no data moves).
+* ``Cat`` rules pick, per index, the input that holds the element.
+* ``Unary`` rules (transcendental functions of bf16/fp16) read a table of eager's own results,
+  built and checked on the device (:mod:`exactdit.engine.tables`).
+* Reduction outputs (``native_layer_norm``, ``_fused_rms_norm``, ``mean``) read per-row
+  statistics that a kernel template computed in ATen's order (:mod:`exactdit.engine.templates`).
+
+Anything else is not fused: the partitioner leaves it to ATen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from exactdit.engine.emit import (
+    FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Unfusable, Val, dtype_of, f32, shape_of,
+)
+from exactdit.engine.indexing import Index, Ix, broadcast_index, linearize, reshape_index
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+#: rule kinds, for the partitioner
+POINTWISE, VIEW, CAT, UNARY_TABLE, REDUCTION_OUTPUT = "pointwise", "view", "cat", "table", "reduction output"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    kind: str
+    emit: Callable[[Emitter, fx.Node, Index], Val]
+    #: why this node cannot be fused, or None
+    check: Callable[[fx.Node], str | None] = lambda node: None
+
+
+_RULES: dict[Any, Rule] = {}
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return _getitem_rule(node)
+    return _RULES.get(node.target)
+
+
+def why_not_fusable(node: fx.Node) -> str | None:
+    """None when the engine can emit ``node``; else the reason."""
+    rule = rule_for(node)
+    if rule is None:
+        return f"{_name(node)} is not an op the engine fuses"
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return f"{_name(node)} does not produce one tensor"
+    if val.numel() == 0:
+        return "empty tensor"
+    if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES:
+        return f"{_name(node)} produces {val.dtype}"
+    if val.device.type not in ("cuda", "cpu"):
+        return f"{val.device.type} tensors"
+    return rule.check(node)
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _register(targets, rule: Rule) -> None:
+    for t in targets:
+        _RULES[t] = rule
+
+
+def register_rule(target, rule: Rule) -> None:
+    """Add the rule of an op defined elsewhere (the reductions' outputs, in the templates)."""
+    _RULES[target] = rule
+
+
+def _kwarg(node: fx.Node, name: str, position: int, default=None):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if len(node.args) > position else default
+
+
+def _tensor_args_float(node: fx.Node) -> str | None:
+    for a in node.all_input_nodes:
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return "non-tensor graph input"
+        if val.dtype not in FLOAT_DTYPES:
+            return f"operand of dtype {val.dtype}"
+    return None
+
+
+def _no_wider_operand(node: fx.Node) -> str | None:
+    """Operands wider than the result (a 0-dim fp32 tensor meeting a bf16 tensor) are converted
+    by ATen through the result dtype; not reproduced."""
+    out = dtype_of(node)
+    for a in node.all_input_nodes:
+        if a.meta["val"].element_size() > torch.empty((), dtype=out).element_size():
+            return f"a {a.meta['val'].dtype} operand of a {out} op"
+    return None
+
+
+# --- binary arithmetic -------------------------------------------------------------------------
+
+_FP32_OP = {"add": "add_rn", "sub": "sub_rn", "mul": "mul_rn", "div": "div_rn"}
+_DTYPE_OP = {"add": "dtype_add", "sub": "dtype_sub", "mul": "dtype_mul"}
+
+
+def _representable(value: float, dtype: torch.dtype) -> bool:
+    return float(torch.tensor(f32(value), dtype=torch.float32).to(dtype).float()) == f32(value) and math.isfinite(value)
+
+
+def _binary(op: str) -> Rule:
+    def check(node):
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            return f"{op} with alpha={alpha}"
+        if op == "div" and node.kwargs.get("rounding_mode") is not None:
+            return "division with a rounding mode"
+        for a in node.args[:2]:
+            if not isinstance(a, (fx.Node, int, float)) or isinstance(a, bool):
+                return f"operand {a!r}"
+        if op == "div" and not isinstance(node.args[0], fx.Node):
+            return "a number divided by a tensor"
+        return _tensor_args_float(node) or _no_wider_operand(node)
+
+    def emit(em: Emitter, node: fx.Node, index: Index) -> Val:
+        out = dtype_of(node)
+        a = em.operand(node, node.args[0], index)
+        b = em.operand(node, node.args[1], index)
+        if op == "div" and not isinstance(b, Val):
+            # ATen divides by a CPU scalar as a multiply by its fp32 reciprocal
+            return _fp32_binary(em, "mul", a, f32(1.0) / f32(b) if f32(b) != 0 else _div_by_zero(b), out)
+        return _binary_values(em, op, a, b, out)
+
+    return Rule(POINTWISE, emit, check)
+
+
+def _div_by_zero(b: float) -> float:
+    # fp32 1/0 is inf with the sign of the zero
+    return math.copysign(math.inf, math.copysign(1.0, b))
+
+
+def _binary_values(em: Emitter, op: str, a, b, out: torch.dtype) -> Val:
+    """``a op b`` for values/numbers of an eager op whose result dtype is ``out``."""
+    half = out in (torch.bfloat16, torch.float16)
+    if half and op in _DTYPE_OP:
+        va = a if isinstance(a, Val) else (em.constant(a, out) if _representable(a, out) else None)
+        vb = b if isinstance(b, Val) else (em.constant(b, out) if _representable(b, out) else None)
+        if va is not None and vb is not None and va.dtype == vb.dtype == out:
+            kind = max(va.kind, vb.kind)
+            if em.effective(kind) == FULL:
+                va, vb = em.broadcast(va, FULL), em.broadcast(vb, FULL)
+                return em.let(f"{_DTYPE_OP[op]}({va.name}, {vb.name})", out, FULL)
+    return _fp32_binary(em, op, a, b, out)
+
+
+def _fp32_binary(em: Emitter, op: str, a, b, out: torch.dtype) -> Val:
+    kind = max(v.kind for v in (a, b) if isinstance(v, Val)) if any(isinstance(v, Val) for v in (a, b)) else SCALAR
+    wa = em.widen(a) if isinstance(a, Val) else em.constant(a, torch.float32).name
+    wb = em.widen(b) if isinstance(b, Val) else em.constant(b, torch.float32).name
+    return em.rounded(f"{_FP32_OP[op]}({wa}, {wb})", out, kind)
+
+
+for _op in ("add", "sub", "mul", "div"):
+    _register([getattr(aten, _op).Tensor, getattr(aten, _op).Scalar], _binary(_op))
+
+
+# --- unary exact ops ---------------------------------------------------------------------------
+
+
+def _unary(fp32_expr: Callable[[str], str]) -> Rule:
+    def emit(em, node, index):
+        x = em.value(node.args[0], index)
+        return em.rounded(fp32_expr(em.widen(x)), dtype_of(node), x.kind)
+
+    return Rule(POINTWISE, emit, lambda node: _tensor_args_float(node) or _no_wider_operand(node))
+
+
+_register([aten.neg.default], _unary(lambda x: f"-{x}"))
+_register([aten.abs.default], _unary(lambda x: f"tl.abs({x})"))
+_register([aten.rsqrt.default], _unary(lambda x: f"rsqrt_approx({x})"))
+_register([aten.sqrt.default], _unary(lambda x: f"tl.sqrt_rn({x})"))
+_register([aten.reciprocal.default], _unary(lambda x: f"div_rn(tl.full({x}.shape, 1.0, tl.float32), {x})"))
+
+
+def _pow_check(node):
+    if node.args[1] != 2:
+        return f"pow with exponent {node.args[1]!r}"
+    return _tensor_args_float(node)
+
+
+def _pow_emit(em, node, index):
+    # ATen's pow special-cases the exponent 2 as base * base (in opmath)
+    x = em.value(node.args[0], index)
+    w = em.widen(x)
+    return em.rounded(f"mul_rn({w}, {w})", dtype_of(node), x.kind)
+
+
+_register([aten.pow.Tensor_Scalar], Rule(POINTWISE, _pow_emit, _pow_check))
+
+
+def _clamp_check(node):
+    bounds = [_kwarg(node, "min", 1), _kwarg(node, "max", 2)]
+    if node.target is aten.clamp_min.default:
+        bounds = [node.args[1], None]
+    elif node.target is aten.clamp_max.default:
+        bounds = [None, node.args[1]]
+    if any(b is not None and (isinstance(b, (fx.Node, bool)) or not isinstance(b, (int, float))) for b in bounds):
+        return "clamp with tensor bounds"
+    return _tensor_args_float(node)
+
+
+def _clamp_emit(em, node, index):
+    lo, hi = _kwarg(node, "min", 1), _kwarg(node, "max", 2)
+    if node.target is aten.clamp_min.default:
+        lo, hi = node.args[1], None
+    elif node.target is aten.clamp_max.default:
+        lo, hi = None, node.args[1]
+    x = em.value(node.args[0], index)
+    v = em.widen(x)
+    y = v
+    # ATen: NaN stays NaN; otherwise min(max(x, lo), hi) with the bounds in opmath
+    if lo is not None:
+        y = em.code.let(f"tl.maximum({y}, {em.constant(float(lo), torch.float32).name})", "c")
+    if hi is not None:
+        y = em.code.let(f"tl.minimum({y}, {em.constant(float(hi), torch.float32).name})", "c")
+    return em.rounded(f"tl.where({v} != {v}, {v}, {y})", dtype_of(node), x.kind)
+
+
+_register([aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default], Rule(POINTWISE, _clamp_emit, _clamp_check))
+
+
+# --- dtype conversions and copies -----------------------------------------------------------------
+
+
+def _convert_check(node):
+    val = node.meta["val"]
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(src, torch.Tensor) or src.dtype not in FLOAT_DTYPES:
+        return "conversion of a non-float tensor"
+    if src.device != val.device:
+        return "copy between devices"
+    return None
+
+
+def _convert_emit(em, node, index):
+    x = em.value(node.args[0], index)
+    out = dtype_of(node)
+    if x.dtype == out:
+        return x
+    return em.rounded(em.widen(x), out, x.kind)
+
+
+_register([aten._to_copy.default, prims.convert_element_type.default], Rule(POINTWISE, _convert_emit, _convert_check))
+
+
+def _identity_emit(em, node, index):
+    return em.value(node.args[0], index)
+
+
+_register(
+    [aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default],
+    Rule(POINTWISE, _identity_emit, lambda node: None),
+)
+
+
+def _where_check(node):
+    cond = node.args[0]
+    if not isinstance(cond, fx.Node) or cond.meta["val"].dtype != torch.bool:
+        return "where with a non-tensor condition"
+    for a in node.args[1:3]:
+        if isinstance(a, fx.Node):
+            if a.meta["val"].dtype not in FLOAT_DTYPES:
+                return f"where operand of dtype {a.meta['val'].dtype}"
+        elif isinstance(a, bool) or not isinstance(a, (int, float)):
+            return f"where operand {a!r}"
+    return _no_wider_operand_values(node)
+
+
+def _no_wider_operand_values(node):
+    out = dtype_of(node)
+    for a in node.args[1:3]:
+        if isinstance(a, fx.Node) and a.meta["val"].element_size() > torch.empty((), dtype=out).element_size():
+            return f"a {a.meta['val'].dtype} operand of a {out} op"
+    return None
+
+
+def _as_dtype(em: Emitter, v, out: torch.dtype, kind: int) -> Val:
+    if not isinstance(v, Val):
+        return em.constant(float(v), out)
+    if v.dtype == out:
+        return v
+    return em.rounded(em.widen(v), out, v.kind)
+
+
+def _where_emit(em, node, index):
+    out = dtype_of(node)
+    c = em.operand(node, node.args[0], index)
+    a = em.operand(node, node.args[1], index)
+    b = em.operand(node, node.args[2], index)
+    kind = max(v.kind for v in (c, a, b) if isinstance(v, Val))
+    va, vb = _as_dtype(em, a, out, kind), _as_dtype(em, b, out, kind)
+    return em.let(f"tl.where({c.name}, {va.name}, {vb.name})", out, kind)
+
+
+_register([aten.where.self], Rule(POINTWISE, _where_emit, _where_check))
+
+
+# --- views --------------------------------------------------------------------------------------
+
+
+def _dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _view_rule(index_of: Callable[[fx.Node, Index], Index]) -> Rule:
+    def emit(em, node, index):
+        return em.value(node.args[0], index_of(node, index))
+
+    return Rule(VIEW, emit)
+
+
+def _reshape(node, index):
+    return reshape_index(index, shape_of(node), shape_of(node.args[0]))
+
+
+def _unsqueeze(node, index):
+    d = _dim(node.args[1], len(shape_of(node)))
+    return index[:d] + index[d + 1:]
+
+
+def _squeeze(node, index):
+    in_shape = shape_of(node.args[0])
+    if node.target is aten.squeeze.default:
+        dims = [i for i, n in enumerate(in_shape) if n == 1]
+    else:
+        raw = node.args[1]
+        dims = [_dim(d, len(in_shape)) for d in (raw if isinstance(raw, (list, tuple)) else [raw])]
+        dims = [d for d in dims if in_shape[d] == 1]
+    out, k = [], 0
+    for i in range(len(in_shape)):
+        if i in dims:
+            out.append(Ix())
+        else:
+            out.append(index[k])
+            k += 1
+    return tuple(out)
+
+
+def _expand(node, index):
+    return broadcast_index(index, shape_of(node), shape_of(node.args[0]))
+
+
+def _permute(node, index):
+    dims = [_dim(d, len(index)) for d in node.args[1]]
+    out: list[Ix] = [Ix()] * len(index)
+    for i, d in enumerate(dims):
+        out[d] = index[i]
+    return tuple(out)
+
+
+def _transpose(node, index):
+    if node.target is aten.t.default:
+        return tuple(reversed(index))
+    a, b = (_dim(d, len(index)) for d in node.args[1:3])
+    out = list(index)
+    out[a], out[b] = out[b], out[a]
+    return tuple(out)
+
+
+def _select(node, index):
+    in_shape = shape_of(node.args[0])
+    d = _dim(node.args[1], len(in_shape))
+    k = node.args[2] + in_shape[d] if node.args[2] < 0 else node.args[2]
+    return index[:d] + (Ix.constant(k),) + index[d:]
+
+
+def _slice_start(size: int, start, step) -> int:
+    start = 0 if start is None else start
+    if start < 0:
+        start += size
+    return min(max(start, 0), size)
+
+
+def _slice(node, index):
+    in_shape = shape_of(node.args[0])
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+    start = _slice_start(in_shape[d], node.args[2] if len(node.args) > 2 else 0, None)
+    step = node.args[4] if len(node.args) > 4 else 1
+    out = list(index)
+    out[d] = index[d] * step + start
+    return tuple(out)
+
+
+def _slice_check(node):
+    step = node.args[4] if len(node.args) > 4 else 1
+    return None if isinstance(step, int) and step >= 1 else f"slice step {step!r}"
+
+
+_register([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_rule(_reshape))
+_register([aten.unsqueeze.default], _view_rule(_unsqueeze))
+_register([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _view_rule(_squeeze))
+_register([aten.expand.default], _view_rule(_expand))
+_register([aten.permute.default], _view_rule(_permute))
+_register([aten.t.default, aten.transpose.int], _view_rule(_transpose))
+_register([aten.select.int], _view_rule(_select))
+_register([aten.slice.Tensor], Rule(VIEW, _view_rule(_slice).emit, _slice_check))
+
+
+def _split_pieces(base: fx.Node) -> list[tuple[int, int]] | None:
+    """(start, size) of each output of a ``split`` / ``split_with_sizes`` along its dim."""
+    size = shape_of(base.args[0])[_dim(base.args[2] if len(base.args) > 2 else 0, len(shape_of(base.args[0])))]
+    if base.target is aten.split.Tensor:
+        step = base.args[1]
+        sizes = [min(step, size - s) for s in range(0, size, step)]
+    else:
+        sizes = list(base.args[1])
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(starts, sizes))
+
+
+def _getitem_rule(node: fx.Node) -> Rule | None:
+    base, k = node.args
+    if not isinstance(base, fx.Node) or base.op != "call_function":
+        return None
+    if base.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        def index_of(n, index, base=base, k=k):
+            in_shape = shape_of(base.args[0])
+            d = _dim(base.args[2] if len(base.args) > 2 else 0, len(in_shape))
+            start = _split_pieces(base)[k][0]
+            out = list(index)
+            out[d] = index[d] + start
+            return tuple(out)
+
+        return Rule(VIEW, lambda em, n, index: em.value(base.args[0], index_of(n, index)))
+    if base.target is aten.unbind.int:
+        def emit(em, n, index, base=base, k=k):
+            in_shape = shape_of(base.args[0])
+            d = _dim(base.args[1] if len(base.args) > 1 else 0, len(in_shape))
+            return em.value(base.args[0], index[:d] + (Ix.constant(k),) + index[d:])
+
+        return Rule(VIEW, emit)
+    from exactdit.engine.templates import reduction_output_rule
+
+    return reduction_output_rule(base, k)
+
+
+# --- cat / stack --------------------------------------------------------------------------------
+
+
+def _cat_check(node):
+    tensors = node.args[0]
+    if not all(isinstance(t, fx.Node) for t in tensors):
+        return "cat of non-graph values"
+    dtypes = {t.meta["val"].dtype for t in tensors}
+    if len(dtypes) != 1:
+        return "cat with type promotion"
+    return None
+
+
+def cat_pieces(node: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]]]:
+    """(dim, [(input, start, size)]) of a cat or stack along the dim of its output; stack
+    inputs count as size-1 pieces (empty inputs skipped)."""
+    rank = len(shape_of(node))
+    d = _dim(_kwarg(node, "dim", 1, 0), rank)
+    pieces, start = [], 0
+    for t in node.args[0]:
+        size = 1 if node.target is aten.stack.default else shape_of(t)[d] if len(shape_of(t)) == rank else 0
+        if size:
+            pieces.append((t, start, size))
+        start += size
+    return d, pieces
+
+
+def _piece_index(node: fx.Node, index: Index, d: int, start: int, t: fx.Node) -> Index:
+    local = index[d].minus_const(start) if start else index[d]
+    if node.target is aten.stack.default:
+        return index[:d] + index[d + 1:]
+    return index[:d] + (local,) + index[d + 1:]
+
+
+def _cat_emit(em: Emitter, node: fx.Node, index: Index) -> Val:
+    d, pieces = cat_pieces(node)
+    if node in em.pieces:  # this launch covers one piece: no selection needed
+        t, start, _ = pieces[em.pieces[node]]
+        return em.value(t, _piece_index(node, index, d, start, t))
+    i = index[d]
+    if i.is_const:
+        for t, start, size in pieces:
+            if start <= i.const < start + size:
+                return em.value(t, _piece_index(node, index, d, start, t))
+    kind = FULL if i.per_element else ROW
+    result: Val | None = None
+    for t, start, size in reversed(pieces):
+        lo, hi = start, start + size
+        cond_parts = []
+        if lo > 0:
+            cond_parts.append(f"({i.code()} >= {lo})")
+        if hi < i.bound:
+            cond_parts.append(f"({i.code()} < {hi})")
+        cond = em.code.let(" & ".join(cond_parts) or "True", "p") if cond_parts else None
+        piece = (
+            em.guarded(cond, kind, lambda t=t, start=start: em.value(t, _piece_index(node, index, d, start, t)))
+            if cond else em.value(t, _piece_index(node, index, d, start, t))
+        )
+        if result is None:
+            result = piece
+        else:
+            k = max(piece.kind, result.kind, kind)
+            result = em.let(f"tl.where({cond}, {piece.name}, {result.name})", result.dtype, k)
+    return result
+
+
+_register([aten.cat.default, aten.stack.default], Rule(CAT, _cat_emit, _cat_check))
+
+
+def _slice_scatter_check(node):
+    step = node.args[5] if len(node.args) > 5 else 1
+    if step != 1 and not isinstance(step, int):
+        return f"slice_scatter step {step!r}"
+    base, src = node.args[0], node.args[1]
+    if base.meta["val"].dtype != src.meta["val"].dtype:
+        return "slice_scatter with type promotion"
+    return None
+
+
+def _slice_scatter_emit(em, node, index):
+    base, src = node.args[0], node.args[1]
+    shape = shape_of(node)
+    d = _dim(node.args[2] if len(node.args) > 2 else 0, len(shape))
+    start = _slice_start(shape[d], node.args[3] if len(node.args) > 3 else 0, None)
+    end = node.args[4] if len(node.args) > 4 and node.args[4] is not None else shape[d]
+    end = min(end + shape[d] if end < 0 else end, shape[d])
+    step = node.args[5] if len(node.args) > 5 else 1
+    i = index[d]
+    inside = [f"({i.code()} >= {start})", f"({i.code()} < {end})"]
+    if step > 1:
+        inside.append(f"((({i.code()}) - {start}) % {step} == 0)")
+    kind = FULL if i.per_element else ROW
+    cond = em.code.let(" & ".join(inside), "p")
+    local = i.minus_const(start).floordiv(step)
+    src_index = index[:d] + (local,) + index[d + 1:]
+    inner = em.guarded(cond, kind, lambda: em.value(src, src_index))
+    outer = em.value(base, index)
+    k = max(inner.kind, outer.kind, kind)
+    return em.let(f"tl.where({cond}, {inner.name}, {outer.name})", outer.dtype, k)
+
+
+_register([aten.slice_scatter.default], Rule(CAT, _slice_scatter_emit, _slice_scatter_check))
+
+
+# --- transcendental functions of half-precision values: tables of eager's results ----------------------
+
+
+def _table_check(node):
+    x = node.args[0]
+    if not isinstance(x, fx.Node):
+        return "not a tensor"
+    src, out = x.meta["val"].dtype, dtype_of(node)
+    if src != out or out not in (torch.bfloat16, torch.float16):
+        return f"{_name(node)} of {src} (tables cover bf16/fp16 in and out)"
+    return None
+
+
+def _table_emit(em, node, index):
+    from exactdit.engine.tables import lookup_code
+
+    x = em.value(node.args[0], index)
+    x = em.broadcast(x, FULL) if em.effective(x.kind) == FULL else x
+    return em.let(lookup_code(em, node, x), x.dtype, x.kind)
+
+
+_register(
+    [aten.gelu.default, aten.silu.default, aten.tanh.default, aten.sigmoid.default, aten.exp.default,
+     aten.erf.default, aten.sin.default, aten.cos.default, aten.log.default],
+    Rule(UNARY_TABLE, _table_emit, _table_check),
+)
+
+
+def table_function(node: fx.Node) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The eager op of a table rule node, as a function of its tensor argument."""
+    args, kwargs = node.args[1:], dict(node.kwargs)
+    return lambda x: node.target(x, *args, **kwargs)
+
+
+def row_form(index: Index, shape) -> Ix:
+    """The row an index of a ``[..., D]`` value lies in, as a linear form."""
+    return linearize(index[:-1], shape[:-1])

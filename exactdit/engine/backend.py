@@ -1,0 +1,141 @@
+"""The ``exactdit`` torch.compile backend: capture, rewrite regions, run the rest as captured.
+
+``torch.compile(module, backend="exactdit")`` (or :func:`make_backend` for a labelled one) captures
+the module with Dynamo and AOTAutograd, which turn it into a graph of ATen ops. Run op by op,
+that graph computes exactly what eager PyTorch computes. The backend replaces regions of it
+(:mod:`exactdit.engine.partition`) by calls of gated fused kernels
+(:mod:`exactdit.engine.runtime`) and returns the graph; no other compiler touches it, so every
+op outside a region is the eager ATen kernel.
+
+Only inference graphs are rewritten (the fused kernels have no backward): with autograd
+recording, AOTAutograd's forward and backward graphs run unchanged.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import operator
+import time
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from exactdit.engine import coverage
+from exactdit.engine.partition import find_regions
+from exactdit.engine.runtime import RegionOp, region_call_target
+
+logger = logging.getLogger("exactdit")
+
+_graph_ids = itertools.count()
+
+
+def rewrite(gm: fx.GraphModule, label: str) -> coverage.GraphReport:
+    """Replace the regions of ``gm`` (an ATen graph) by fused calls. The new graph is built
+    beside the old one and swapped in only when complete."""
+    start = time.perf_counter()
+    partition = find_regions(gm, prefix=label)
+    report = coverage.GraphReport.of(label, gm, partition)
+    gm.graph = _rewritten(gm.graph, partition.regions)
+    gm.recompile()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _rewritten(old: fx.Graph, regions) -> fx.Graph:
+    """``old`` with each region's nodes replaced by one call of its :class:`RegionOp`; nodes
+    keep their order where dependencies allow (a region goes where its first node was)."""
+    position = {n: i for i, n in enumerate(old.nodes)}
+    region_of = {n: r for r in regions for n in r.nodes}
+    # units of the new graph: every node outside a region, and every region
+    outputs = {n for r in regions for n in r.outputs}
+    # list views (split, unbind) of a region's inner values are read only through the region
+    inner = [n for n in old.nodes if n not in region_of and any(a in region_of and a not in outputs for a in n.all_input_nodes)]
+    for n in inner:
+        if any(u not in region_of for u in n.users):
+            raise RuntimeError(f"exactdit: {n} reads a value inside a region")
+    units: list = [n for n in old.nodes if n not in region_of and n not in inner and n.op != "output"] + list(regions)
+    priority = {u: (min(position[n] for n in u.nodes) if u in regions else position[u]) for u in units}
+
+    def unit_of(n: fx.Node):
+        return region_of.get(n, n)
+
+    needs = {}
+    for u in units:
+        inputs = u.inputs if u in regions else u.all_input_nodes
+        needs[u] = {unit_of(n) for n in inputs} - {u}
+    users: dict = {u: [] for u in units}
+    for u, deps in needs.items():
+        for d in deps:
+            users[d].append(u)
+    waiting = {u: len(d) for u, d in needs.items()}
+    ready = [(priority[u], k, u) for k, u in enumerate(units) if waiting[u] == 0]
+    heapq.heapify(ready)
+    index = {u: k for k, u in enumerate(units)}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    done = 0
+    while ready:
+        _, _, u = heapq.heappop(ready)
+        done += 1
+        if u in regions:
+            op = RegionOp(u)
+            call = graph.call_function(region_call_target(op), tuple(env[n] for n in u.inputs))
+            call.meta["exactdit_region"] = u.name
+            for k, out in enumerate(u.outputs):
+                env[out] = graph.call_function(operator.getitem, (call, k))
+                env[out].meta = dict(out.meta)
+        else:
+            env[u] = graph.node_copy(u, lambda a: env[a])
+        for v in users[u]:
+            waiting[v] -= 1
+            if waiting[v] == 0:
+                heapq.heappush(ready, (priority[v], index[v], v))
+    if done != len(units):
+        raise RuntimeError("exactdit: regions would form a cycle")
+    output = next(n for n in old.nodes if n.op == "output")
+    graph.node_copy(output, lambda a: env[a])
+    graph.eliminate_dead_code()  # list views whose items the regions read through
+    graph.lint()
+    return graph
+
+
+def compile_graph(label: str):
+    """An AOTAutograd inference compiler that rewrites the graph and runs it op by op."""
+
+    def compiler(gm: fx.GraphModule, example_inputs):
+        name = f"{label}#{next(_graph_ids)}"
+        try:
+            report = rewrite(gm, name)
+        except Exception as e:  # noqa: BLE001 - a graph the engine cannot rewrite still runs as captured
+            logger.warning("exactdit: %s runs as captured: %s: %s", name, type(e).__name__, e)
+            report = coverage.GraphReport.for_failure(name, gm, f"{type(e).__name__}: {e}")
+        coverage.register(report)
+        return make_boxed_func(gm)
+
+    return compiler
+
+
+def _unchanged(gm: fx.GraphModule, example_inputs):
+    return make_boxed_func(gm)
+
+
+def make_backend(label: str = "graph"):
+    """A torch.compile backend that rewrites inference graphs (see the module docstring);
+    ``label`` names its graphs in :func:`exactdit.report`."""
+    return aot_autograd(fw_compiler=_unchanged, bw_compiler=_unchanged, inference_compiler=compile_graph(label))
+
+
+def _registered(gm, example_inputs, **kwargs):
+    return make_backend()(gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``torch.compile(..., backend="exactdit")`` available."""
+    from torch._dynamo import list_backends, register_backend
+
+    if "exactdit" not in list_backends(exclude_tags=()):
+        register_backend(name="exactdit")(_registered)

@@ -1,0 +1,287 @@
+"""Triton code for the values of a region, op by op, rounded exactly where eager rounds.
+
+The emitter turns a value of the captured ATen graph, asked for at an index (see
+:mod:`exactdit.engine.indexing`), into lines of a kernel body. Each ATen op is emitted by the
+rule :mod:`exactdit.engine.aten_ops` holds for it, and every rule follows the same contract as
+the eager CUDA kernel it stands for: operands widened to the op's math type (fp32 for bf16,
+fp16 and fp32), one operation with ``.rn`` rounding and no FMA contraction (the
+:mod:`exactdit.numerics` helpers), the result rounded once to the node's dtype. A value is
+kept in a variable of the node's dtype, so the next op sees exactly the bits eager hands it.
+
+Values live in one of three shapes of the kernel's tile: ``scalar``, ``row`` (one value per row
+of the tile) and ``full``. Loads pick the mask of their shape; stores and half-precision packed
+ops work on full tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from exactdit.engine.indexing import Index, Ix, broadcast_index, offset_code
+
+#: value shapes, ordered
+SCALAR, ROW, FULL = 0, 1, 2
+
+TL_DTYPE = {torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float32: "tl.float32", torch.bool: "tl.int1"}
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Unfusable(Exception):
+    """The region cannot be emitted exactly (unsupported op, dtype or access pattern).
+    ``args``: (reason, the region node whose emission failed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Val:
+    """A value in the generated code: variable name, torch dtype, tile shape class."""
+
+    name: str
+    dtype: torch.dtype
+    kind: int
+
+
+@dataclasses.dataclass
+class Tile:
+    """What a kernel template provides to one pass over a region's domain."""
+
+    domain: Index  # index atoms of the domain, one per dim
+    full_shape: str  # the full tile's shape, e.g. "[BLOCK_R, BLOCK_C]"
+    row_shape: str | None  # shape of per-row values, None when the pass handles one row (scalars)
+    mask: str  # full-tile mask variable
+    row_mask: str | None  # per-row mask variable (None with one row)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A tensor the kernel reads or writes: pointer and per-dim stride argument names."""
+
+    ptr: str
+    strides: tuple[str, ...]
+
+
+def f32_bits(value: float) -> int:
+    """The fp32 bit pattern of ``value`` rounded to fp32 (round to nearest even, as C++'s
+    ``static_cast<float>(double)``)."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to fp32, as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def dtype_of(node: Any) -> torch.dtype:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise Unfusable(f"{node} has no tensor value")
+    return val.dtype
+
+
+def shape_of(node: Any) -> tuple[int, ...]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise Unfusable(f"{node} has no tensor value")
+    return tuple(int(n) for n in val.shape)
+
+
+class Emitter:
+    """Emits the values of one pass of a kernel over a region.
+
+    ``members``: the region's nodes (emitted by their rules); any other node is an input of the
+    kernel, and gets an operand in ``loads`` (shared by all passes of a kernel) the first time
+    it is read. ``stored``: values already written by an earlier pass, read back instead of
+    recomputed; ``stats``: per-row results of reductions; ``pieces``: ``cat`` nodes whose
+    piece this launch covers (see templates)."""
+
+    def __init__(self, code: "Code", tile: Tile, *, members, loads: dict, stored: dict | None = None,
+                 stats: dict | None = None, pieces: dict | None = None, tables: dict | None = None):
+        self.code = code
+        self.tile = tile
+        self.members = members
+        self.loads = loads
+        self.stored = stored or {}
+        self.stats = stats or {}
+        self.pieces = pieces or {}
+        self.tables = tables or {}
+        self._memo: dict[tuple, Val] = {}
+        self._guard: str | None = None
+        self._guard_kind = SCALAR
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def let(self, expr: str, dtype: torch.dtype, kind: int, hint: str = "v") -> Val:
+        return Val(self.code.let(expr, hint), dtype, kind)
+
+    def shape(self, kind: int) -> str | None:
+        if kind == FULL:
+            return self.tile.full_shape
+        if kind == ROW:
+            return self.tile.row_shape
+        return None
+
+    def effective(self, kind: int) -> int:
+        """ROW values are scalars when the pass handles one row."""
+        return SCALAR if kind == ROW and self.tile.row_shape is None else kind
+
+    def broadcast(self, v: Val, kind: int) -> Val:
+        if self.effective(v.kind) >= self.effective(kind):
+            return v
+        return self.let(f"tl.broadcast_to({v.name}, {self.shape(kind)})", v.dtype, kind, "b")
+
+    def widen(self, v: Val) -> str:
+        """fp32 code for a float value (exact)."""
+        if v.dtype == torch.float32:
+            return v.name
+        if v.dtype == torch.bfloat16:
+            return self.code.let(f"widen_bf16({v.name})", "w")
+        if v.dtype == torch.float16:
+            return self.code.let(f"{v.name}.to(tl.float32)", "w")
+        raise Unfusable(f"cannot widen {v.dtype}")
+
+    def rounded(self, fp32_code: str, dtype: torch.dtype, kind: int) -> Val:
+        """An fp32 result rounded once to ``dtype`` (``tensor.to(dtype)``)."""
+        if dtype == torch.float32:
+            return self.let(fp32_code, dtype, kind)
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.let(f"round_to({fp32_code}, {TL_DTYPE[dtype]})", dtype, kind)
+        raise Unfusable(f"cannot round to {dtype}")
+
+    # --- values ---------------------------------------------------------------------------------
+
+    def value(self, node: Any, index: Index) -> Val:
+        """``node``'s value at ``index`` (an index of node's own shape)."""
+        if not isinstance(node, fx.Node):
+            raise Unfusable(f"expected a graph value, got {node!r}")
+        key = (node, tuple(ix.code() for ix in index), self._guard)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        if node in self.stored:
+            val = self.load(self.stored[node], index, dtype_of(node))
+        elif node not in self.members:
+            val = self.load(self.input_operand(node), index, dtype_of(node))
+        else:
+            from exactdit.engine.aten_ops import rule_for
+
+            rule = rule_for(node)
+            if rule is None:
+                raise Unfusable(f"no rule for {node.target}", node)
+            try:
+                val = rule.emit(self, node, index)
+            except Unfusable as e:
+                if len(e.args) < 2:  # the innermost member that could not be emitted
+                    raise Unfusable(e.args[0], node) from None
+                raise
+        self._memo[key] = val
+        return val
+
+    def input_operand(self, node: fx.Node) -> Operand:
+        op = self.loads.get(node)
+        if op is None:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise Unfusable(f"{node} is not a tensor")
+            k = len(self.loads)
+            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(val.dim())))
+            self.loads[node] = op
+        return op
+
+    def operand(self, node: fx.Node, arg: Any, index: Index) -> Val | float:
+        """An operand of a pointwise ``node`` at the node's ``index``: a tensor broadcast to the
+        node's shape, or a Python number."""
+        if isinstance(arg, fx.Node):
+            return self.value(arg, broadcast_index(index, shape_of(node), shape_of(arg)))
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+            raise Unfusable(f"unsupported operand {arg!r}")
+        return float(arg)
+
+    def load(self, operand: Operand, index: Index, dtype: torch.dtype) -> Val:
+        offset = offset_code(index, operand.strides)
+        kind = FULL if any(ix.per_element for ix in index) else (ROW if any(not ix.is_const for ix in index) else SCALAR)
+        guard_kind = self.effective(self._guard_kind) if self._guard else SCALAR
+        kind = max(self.effective(kind), guard_kind)
+        mask = self.mask_for(kind)
+        if self._guard:
+            if not mask:
+                mask = self._guard
+            elif guard_kind < self.effective(kind):  # (the interpreter rejects a scalar & tensor mask)
+                mask = f"tl.where({self._guard}, {mask}, False)"
+            else:
+                mask = f"{mask} & {self._guard}"
+        ptr = f"{operand.ptr} + ({offset})"
+        if kind > SCALAR and self.effective(kind) > SCALAR:
+            ptr = f"{ptr} + tl.zeros({self.shape(kind)}, tl.int32)"  # pointer of the tile's shape
+        if dtype == torch.bool:
+            raise Unfusable("bool tensors are not loaded")
+        expr = f"tl.load({ptr}, mask={mask}, other=0.0)" if mask else f"tl.load({ptr})"
+        return self.let(expr, dtype, kind, "x")
+
+    def mask_for(self, kind: int) -> str | None:
+        kind = self.effective(kind)
+        if kind == FULL:
+            return self.tile.mask
+        if kind == ROW:
+            return self.tile.row_mask
+        return None
+
+    def guarded(self, condition: str, kind: int, fn: Callable[[], Val]) -> Val:
+        """Evaluate ``fn`` with loads masked by ``condition`` as well (one branch of a cat)."""
+        saved = self._guard, self._guard_kind
+        if self._guard:
+            condition = self.code.let(f"{self._guard} & {condition}", "g")
+            kind = max(kind, self._guard_kind)
+        self._guard, self._guard_kind = condition, kind
+        try:
+            return fn()
+        finally:
+            self._guard, self._guard_kind = saved
+
+    def store(self, operand: Operand, index: Index, v: Val) -> None:
+        v = self.broadcast(v, FULL)
+        offset = offset_code(index, operand.strides)
+        self.code.line(f"tl.store({operand.ptr} + ({offset}), {v.name}, mask={self.tile.mask})")
+
+    def constant(self, value: float, dtype: torch.dtype, kind: int = SCALAR) -> Val:
+        """A scalar operand as eager's CUDA kernels see it: rounded to fp32 (opmath) and, for a
+        half-precision tensor value, to that dtype."""
+        bits = f32_bits(value)
+        expr = f"tl.full({self.shape(kind) or '[]'}, {bits}, tl.uint32).to(tl.float32, bitcast=True)"
+        v = self.let(expr, torch.float32, kind, "k")
+        return v if dtype == torch.float32 else self.rounded(v.name, dtype, kind)
+
+
+class Code:
+    """Lines of a kernel body with common-subexpression reuse of ``let`` bindings."""
+
+    def __init__(self, indent: str = "    ", counter: list[int] | None = None):
+        self.indent = indent
+        self.lines: list[str] = []
+        self._names: dict[str, str] = {}
+        self._counter = counter if counter is not None else [0]
+
+    def let(self, expr: str, hint: str = "v") -> str:
+        name = self._names.get(expr)
+        if name is None:
+            self._counter[0] += 1
+            name = f"{hint}{self._counter[0]}"
+            self._names[expr] = name
+            self.lines.append(f"{self.indent}{name} = {expr}")
+        return name
+
+    def line(self, text: str) -> None:
+        self.lines.append(f"{self.indent}{text}")
+
+    def scope(self, indent: str) -> "Code":
+        """A nested block (a loop body): fresh bindings, names that never clash with ours."""
+        return Code(indent, self._counter)
+
+    def extend(self, inner: "Code") -> None:
+        self.lines.extend(inner.lines)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)

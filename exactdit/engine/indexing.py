@@ -1,0 +1,201 @@
+"""Integer index expressions for generated kernels, and how ATen's view ops move them.
+
+A generated kernel evaluates every value of a region at a multi-index of that value's own shape.
+The kernel's loop supplies the index of the region's domain (one index atom per dim); view ops
+(``view``, ``permute``, ``select``, ``slice``, ``expand``, ...) and ``cat`` map the index of
+their output to the index of their input, so a value is never materialised to be viewed: its
+producer is evaluated at the mapped index, and a load from memory uses the tensor's strides.
+
+Indices are linear forms ``sum(coeff * atom) + const`` over atoms (named integer expressions of
+the generated code) with known exclusive upper bounds. Floor division and remainder by a
+constant are simplified when the form splits into a multiple of the divisor plus a part known to
+be smaller than it -- which is what splitting and merging dims produce -- so a ``view`` and the
+``view`` that undoes it leave the original atoms, and two indices of the same row compare equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Atom:
+    """A named integer expression of the generated code, ``0 <= value < bound``."""
+
+    code: str
+    bound: int
+    #: depends on the column loop (per element) rather than only on the row (per row)
+    per_element: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Ix:
+    """``sum(coeff * atom) + const`` with non-negative coefficients and constant."""
+
+    terms: tuple[tuple[Atom, int], ...] = ()
+    const: int = 0
+
+    # construction ------------------------------------------------------------------------------
+
+    @staticmethod
+    def of(atom: Atom) -> "Ix":
+        return Ix(((atom, 1),), 0) if atom.bound > 1 else Ix()
+
+    @staticmethod
+    def constant(value: int) -> "Ix":
+        if value < 0:
+            raise ValueError("indices are non-negative")
+        return Ix((), int(value))
+
+    # queries -----------------------------------------------------------------------------------
+
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    @property
+    def bound(self) -> int:
+        """Exclusive upper bound of the value."""
+        return self.const + sum(c * (a.bound - 1) for a, c in self.terms) + 1
+
+    @property
+    def per_element(self) -> bool:
+        return any(a.per_element for a, _ in self.terms)
+
+    def code(self) -> str:
+        parts = [a.code if c == 1 else f"{a.code} * {c}" for a, c in self.terms]
+        if self.const or not parts:
+            parts.append(str(self.const))
+        return parts[0] if len(parts) == 1 else "(" + " + ".join(parts) + ")"
+
+    # arithmetic --------------------------------------------------------------------------------
+
+    def __add__(self, other: "Ix | int") -> "Ix":
+        other = other if isinstance(other, Ix) else Ix.constant(other)
+        coeffs: dict[Atom, int] = dict(self.terms)
+        for a, c in other.terms:
+            coeffs[a] = coeffs.get(a, 0) + c
+        return Ix(_sorted(coeffs), self.const + other.const)
+
+    def minus_const(self, value: int) -> "Ix":
+        """``self - value`` where the result is known to be non-negative (cat pieces)."""
+        if value <= self.const:
+            return Ix(self.terms, self.const - value)
+        # the constant cannot absorb it: keep the subtraction as an opaque atom
+        atom = Atom(f"({self.code()} - {value})", max(1, self.bound - value), self.per_element)
+        return Ix.of(atom)
+
+    def __mul__(self, k: int) -> "Ix":
+        if k == 0:
+            return Ix()
+        return Ix(tuple((a, c * k) for a, c in self.terms), self.const * k)
+
+    def _split(self, k: int) -> tuple["Ix", "Ix"] | None:
+        """(q, m) with self == q * k + m and 0 <= m < k, when the form allows it."""
+        high: dict[Atom, int] = {}
+        low: dict[Atom, int] = {}
+        for a, c in self.terms:
+            if c % k == 0:
+                high[a] = c // k
+            else:
+                low[a] = c
+        low_ix = Ix(_sorted(low), self.const % k)
+        if low_ix.bound > k:
+            return None
+        return Ix(_sorted(high), self.const // k), low_ix
+
+    def floordiv(self, k: int) -> "Ix":
+        if k == 1:
+            return self
+        if self.bound <= k:
+            return Ix()
+        split = self._split(k)
+        if split is not None:
+            return split[0]
+        return Ix.of(Atom(f"({self.code()} // {k})", (self.bound - 1) // k + 1, self.per_element))
+
+    def mod(self, k: int) -> "Ix":
+        if k == 1:
+            return Ix()
+        if self.bound <= k:
+            return self
+        split = self._split(k)
+        if split is not None:
+            return split[1]
+        return Ix.of(Atom(f"({self.code()} % {k})", k, self.per_element))
+
+
+def _sorted(coeffs: dict[Atom, int]) -> tuple[tuple[Atom, int], ...]:
+    return tuple(sorted(((a, c) for a, c in coeffs.items() if c), key=lambda ac: ac[0].code))
+
+
+Index = tuple[Ix, ...]
+
+
+def linearize(index: Index, shape: Sequence[int]) -> Ix:
+    """Row-major linear position of ``index`` in ``shape``."""
+    total = Ix()
+    for i, n in zip(index, shape):
+        total = total * int(n) + i
+    return total
+
+
+def delinearize(linear: Ix, shape: Sequence[int]) -> Index:
+    """The multi-index of row-major position ``linear`` in ``shape``."""
+    out = []
+    for n in reversed(shape):
+        out.append(linear.mod(int(n)))
+        linear = linear.floordiv(int(n))
+    return tuple(reversed(out))
+
+
+def reshape_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+    """Index into ``in_shape`` of the element at ``index`` of a view/reshape to ``out_shape``
+    (views keep row-major element order). Dims are matched in groups of equal products so that
+    the arithmetic stays local to the dims a view really splits or merges."""
+    out_shape, in_shape = [int(n) for n in out_shape], [int(n) for n in in_shape]
+    if math.prod(out_shape) != math.prod(in_shape):
+        raise ValueError(f"cannot view {in_shape} as {out_shape}")
+    result: list[Ix] = []
+    i = j = 0
+    while i < len(out_shape) or j < len(in_shape):
+        # grow a group until both sides have the same product (size-1 dims join any group)
+        gi, gj = [i], [j]
+        po = out_shape[i] if i < len(out_shape) else 1
+        pi = in_shape[j] if j < len(in_shape) else 1
+        i, j = i + 1, j + 1
+        while po != pi:
+            if po < pi:
+                gi.append(i)
+                po *= out_shape[i]
+                i += 1
+            else:
+                gj.append(j)
+                pi *= in_shape[j]
+                j += 1
+        outs = [k for k in gi if k < len(out_shape)]
+        ins = [k for k in gj if k < len(in_shape)]
+        lin = linearize([index[k] for k in outs], [out_shape[k] for k in outs])
+        result.extend(delinearize(lin, [in_shape[k] for k in ins]))
+    return tuple(result)
+
+
+def broadcast_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+    """Index into an operand of ``in_shape`` broadcast to ``out_shape`` (aligned on the right;
+    size-1 operand dims read element 0)."""
+    lead = len(out_shape) - len(in_shape)
+    if lead < 0:
+        raise ValueError(f"{list(in_shape)} does not broadcast to {list(out_shape)}")
+    return tuple(Ix() if int(n) == 1 else index[lead + k] for k, n in enumerate(in_shape))
+
+
+def offset_code(index: Index, strides: Sequence[str]) -> str:
+    """``sum(index[d] * stride[d])`` in generated code, dims of index 0 dropped."""
+    parts = []
+    for ix, st in zip(index, strides):
+        if ix.is_const and ix.const == 0:
+            continue
+        parts.append(f"{ix.code()} * {st}")
+    return " + ".join(parts) if parts else "0"

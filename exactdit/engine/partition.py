@@ -1,0 +1,275 @@
+"""Choosing the regions of a captured ATen graph that fused kernels replace.
+
+Nodes the engine can emit (:mod:`exactdit.engine.aten_ops`, the reductions of
+:mod:`exactdit.engine.templates`) are grouped greedily in graph order: a node joins the groups
+of its producers when the union stays convex (no path leaves the group and comes back, so one
+kernel can compute it) and holds at most one reduction (or one per piece of a cat that
+separates them). A group becomes a region when its code can be emitted; a node that cannot be
+emitted, or cannot be handed back (a view, or a value of another size than the region's domain,
+that something outside the region reads) is set aside and the grouping is redone without it.
+Regions that replace fewer than two eager kernels are dropped: they would gain nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
+from exactdit.engine.emit import Unfusable, shape_of
+from exactdit.engine.region import Launch, Region
+from exactdit.engine.templates import generate, reduction_kind
+
+#: how many times the grouping is redone after setting nodes aside
+MAX_ROUNDS = 30
+
+
+@dataclasses.dataclass
+class Partition:
+    regions: list[Region]
+    #: compute nodes left to ATen, with why
+    left: dict[fx.Node, str]
+
+
+#: ops that return views of their input (no kernel), besides the view rules
+_LIST_VIEWS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.unbind.int,
+               torch.ops.aten.chunk.default)
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """A node that costs an eager kernel launch (not a view, getitem or placeholder)."""
+    if node.op != "call_function" or node.target is operator.getitem or node.target in _LIST_VIEWS:
+        return False
+    rule = rule_for(node)
+    return rule is None or rule.kind != VIEW
+
+
+def _candidate_reason(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return "not an op"
+    if reduction_kind(node) is not None:
+        return None
+    return why_not_fusable(node)
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    """A node's users, looking through ``split`` / ``unbind``: the getitems of a list view of
+    the node read it."""
+    out = []
+    for u in node.users:
+        if u.target in _LIST_VIEWS:
+            out.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    """A node's inputs, looking through ``split`` / ``unbind`` (views that return lists): a
+    getitem of one reads the list op's input."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _LIST_VIEWS:
+        return node.args[0].all_input_nodes
+    return node.all_input_nodes
+
+
+@dataclasses.dataclass
+class _Group:
+    nodes: list[fx.Node]
+    mask: int
+    external: int  # producers outside the group
+    reductions: int
+    split_cat: fx.Node | None = None
+
+
+class _Grouper:
+    def __init__(self, graph: fx.Graph, candidates: set[fx.Node]):
+        self.order = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.anc: dict[fx.Node, int] = {}
+        for n in self.order:
+            m = 0
+            for p in n.all_input_nodes:
+                m |= self.anc[p] | (1 << self.pos[p])
+            self.anc[n] = m
+        self.candidates = candidates
+
+    def _convex(self, mask: int, external: int) -> bool:
+        e = external & ~mask
+        while e:
+            low = e & -e
+            p = self.order[low.bit_length() - 1]
+            if self.anc[p] & mask:
+                return False
+            e ^= low
+        return True
+
+    def groups(self) -> list[_Group]:
+        group_of: dict[fx.Node, _Group] = {}
+        groups: list[_Group] = []
+        for v in self.order:
+            if v not in self.candidates:
+                continue
+            bit = 1 << self.pos[v]
+            prod_bits = 0
+            for p in _inputs(v):
+                prod_bits |= 1 << self.pos[p]
+            is_red = 1 if reduction_kind(v) is not None else 0
+            near = []
+            for p in _inputs(v):
+                g = group_of.get(p)
+                if g is not None and all(g is not h for h in near):
+                    near.append(g)
+            choice = None
+            options = [near] + [[g] for g in sorted(near, key=lambda g: -len(g.nodes))] if near else []
+            for option in options:
+                mask = bit
+                ext = prod_bits
+                reds = is_red
+                for g in option:
+                    mask |= g.mask
+                    ext |= g.external
+                    reds += g.reductions
+                splits = [g.split_cat for g in option if g.split_cat is not None]
+                split = _split_cat(v, option) if reds > 1 and not splits else None
+                if reds > 1 and split is None and not (len(splits) == 1 and not is_red):
+                    continue
+                if len(splits) > 1:
+                    continue
+                if self._convex(mask, ext):
+                    choice = (option, mask, ext & ~mask, reds, split)
+                    break
+            if choice is None:
+                g = _Group([v], bit, prod_bits, is_red)
+                groups.append(g)
+            else:
+                option, mask, ext, reds, split = choice
+                g = option[0]
+                for other in option[1:]:
+                    g.nodes.extend(other.nodes)
+                    groups.remove(other)
+                g.nodes.append(v)
+                g.mask, g.external, g.reductions = mask, ext, reds
+                g.split_cat = g.split_cat or split or next((o.split_cat for o in option if o.split_cat), None)
+                for n in g.nodes:
+                    group_of[n] = g
+            group_of[v] = g
+        for g in groups:
+            g.nodes.sort(key=self.pos.__getitem__)
+        return groups
+
+
+def _split_cat(v: fx.Node, option: list[_Group]) -> fx.Node | None:
+    """``v`` when it is a cat along a leading dim whose inputs come from groups with one
+    reduction each: each piece then gets its own launch."""
+    if rule_for(v) is None or rule_for(v).kind != CAT or v.target is not torch.ops.aten.cat.default:
+        return None
+    rank = len(shape_of(v))
+    dim = v.args[1] if len(v.args) > 1 else v.kwargs.get("dim", 0)
+    if (dim + rank if dim < 0 else dim) == rank - 1:
+        return None
+    if any(g.reductions > 1 or g.split_cat is not None for g in option):
+        return None
+    return v
+
+
+def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Node | None) -> list[Launch]:
+    if split_cat is None or split_cat not in members:
+        return [Launch(tuple(domain))]
+    from exactdit.engine.aten_ops import cat_pieces
+
+    dim, pieces = cat_pieces(split_cat)
+    launches = []
+    for k, (t, start, size) in enumerate(pieces):
+        shape = list(domain)
+        shape[dim] = size
+        launches.append(Launch(tuple(shape), ((split_cat, k),), dim, start))
+    return launches
+
+
+def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> tuple[Region | None, set[fx.Node], str | None]:
+    """(region, nodes to set aside, why the group is not a region)."""
+    members = set(g.nodes)
+    # values read outside the region must be handed back: a view (ATen makes it from its base)
+    # or the tuple of a reduction cannot be
+    bans = {
+        n for n in g.nodes
+        if (any(u not in members for u in _users(n)) or n in outputs_of_graph)
+        and (reduction_kind(n) is not None or rule_for(n).kind == VIEW)
+    }
+    if bans:
+        return None, bans, None
+    reductions = [n for n in g.nodes if reduction_kind(n) is not None]
+    outputs = [n for n in g.nodes if any(u not in members for u in _users(n)) or n in outputs_of_graph]
+    if not outputs:
+        return None, set(), "no output"
+    if reductions:
+        kinds = {reduction_kind(r) for r in reductions}
+        if len(kinds) > 1:
+            return None, set(reductions[1:]), None
+        kind = kinds.pop()
+        domain = shape_of(g.split_cat) if g.split_cat is not None else shape_of(reductions[0].args[0])
+    else:
+        kind = "pointwise"
+        domain = max((shape_of(n) for n in outputs), key=math.prod)
+    numel = math.prod(domain)
+    wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel}
+    if wrong_size:
+        return None, wrong_size, None
+    n_kernels = sum(1 for n in g.nodes if _is_compute(n))
+    if n_kernels < 2:
+        return None, set(), "replaces a single kernel"
+    region = Region(name, kind, list(g.nodes), [], outputs, tuple(domain), reductions)
+    region.tables = [n for n in g.nodes if rule_for(n) is not None and rule_for(n).kind == "table"]
+    region.launches = _launches(kind, members, domain, g.split_cat)
+    try:
+        kernels = [generate(region, launch) for launch in region.launches]
+    except Unfusable as e:
+        culprit = e.args[1] if len(e.args) > 1 and e.args[1] in members else None
+        if culprit is None:
+            return None, set(), f"cannot emit: {e.args[0]}"
+        return None, {culprit}, None
+    inputs: list[fx.Node] = []
+    for k in kernels:
+        inputs.extend(n for n in k.inputs if n not in inputs)
+    region.inputs = inputs
+    region.kernels = kernels
+    return region, set(), None
+
+
+def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
+    graph = gm.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    graph_outputs = set(out_node.all_input_nodes)
+    reasons: dict[fx.Node, str] = {}
+    candidates = set()
+    for n in graph.nodes:
+        why = _candidate_reason(n)
+        if why is None:
+            candidates.add(n)
+        elif _is_compute(n):
+            reasons[n] = why
+    banned: set[fx.Node] = set()
+    regions: list[Region] = []
+    for _ in range(MAX_ROUNDS):
+        grouper = _Grouper(graph, candidates - banned)
+        regions, new_bans = [], set()
+        for g in grouper.groups():
+            region, bans, why = _region_from_group(g, f"{prefix}.r{len(regions)}", graph_outputs)
+            new_bans |= bans
+            if region is not None:
+                regions.append(region)
+            elif why is not None:
+                for n in g.nodes:
+                    if _is_compute(n):
+                        reasons.setdefault(n, why)
+        if not new_bans:
+            break
+        banned |= new_bans
+    fused = {n for r in regions for n in r.nodes}
+    left = {n: reasons.get(n, "set aside: its value must be handed to ATen") for n in graph.nodes
+            if _is_compute(n) and n not in fused}
+    return Partition(regions, left)

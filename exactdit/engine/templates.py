@@ -1,0 +1,574 @@
+"""Kernel templates: the loop structure a region's values are emitted into.
+
+* ``pointwise``: tiles of ``[BLOCK_R, BLOCK_C]`` of the domain (rows = all dims but the last).
+* ``layer_norm`` / ``fused_rms_norm`` / ``mean``: the domain's rows are the rows of a reduction
+  over its last dim. Pass 1 walks each row in the order ATen's CUDA kernel adds in (the order
+  models of :mod:`exactdit.aten_norms` / :mod:`exactdit.aten_reduce`, shared with the
+  hand-written kernels of :mod:`exactdit.kernels`) and computes the row statistics; the
+  region's values that feed the reduction (its prologue) are emitted inside that walk, so a
+  gated residual is added on the fly. Pass 2 emits every output (the epilogue: normalisation,
+  modulation, RoPE, ...) from the statistics. A prologue value the region must also return is
+  stored in pass 1 and read back in pass 2.
+
+Every template produces a :class:`GeneratedKernel`: source text, the order of its arguments and
+its launch grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+from exactdit.engine.emit import TL_DTYPE, Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, shape_of
+from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
+from exactdit.engine.region import Launch, Region
+from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
+from exactdit.engine.tables import CONSTEXPR_FIELDS
+from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, next_power_of_2
+
+#: row tiles per program when a region reads tables (each program loads its tables once)
+TABLE_TILES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedKernel:
+    source: str
+    #: the region inputs this kernel reads, in the order of its ``in<k>`` parameters
+    inputs: tuple[fx.Node, ...]
+    #: kernel parameters in order: ("in", k) / ("out", k) / ("tab", k) pointers, then
+    #: ("in_stride", k, d) / ("out_stride", k, d) integers (k indexes ``inputs`` /
+    #: the region's outputs / its tables)
+    params: tuple[tuple, ...]
+    constexprs: tuple[tuple[str, int], ...]
+    grid: tuple[int, ...]
+    num_warps: int
+
+
+def output_operands(region: Region) -> list[Operand]:
+    return [
+        Operand(f"out{k}_ptr", tuple(f"out{k}_s{d}" for d in range(len(shape_of(n)))))
+        for k, n in enumerate(region.outputs)
+    ]
+
+
+def _params(region: Region, inputs: list[fx.Node]) -> tuple[tuple, ...]:
+    params = [("in", k) for k in range(len(inputs))]
+    params += [("out", k) for k in range(len(region.outputs))]
+    params += [("tab", k) for k in range(len(region.tables))]
+    params += [("in_stride", k, d) for k, n in enumerate(inputs) for d in range(len(shape_of(n)))]
+    params += [("out_stride", k, d) for k, n in enumerate(region.outputs) for d in range(len(shape_of(n)))]
+    return tuple(params)
+
+
+def _param_name(p: tuple) -> str:
+    if p[0] in ("in", "out", "tab"):
+        return f"{p[0]}{p[1]}_ptr"
+    return f"{p[0].split('_')[0]}{p[1]}_s{p[2]}"
+
+
+def _signature(region: Region, params, constexpr_names: list[str]) -> str:
+    names = [_param_name(p) for p in params]
+    for k in range(len(region.tables)):
+        names += [f"tab{k}_{f}: tl.constexpr" for f in CONSTEXPR_FIELDS]
+    names += [f"{c}: tl.constexpr" for c in constexpr_names]
+    return "@triton.jit\ndef region_kernel(\n    " + ",\n    ".join(names) + ",\n):"
+
+
+def _table_preamble(region: Region, code: Code) -> dict[fx.Node, str]:
+    slots = {}
+    for k, node in enumerate(region.tables):
+        slot = f"tab{k}"
+        code.line(f"if {slot}_WINDOW > 0:")
+        code.line(f"    {slot} = tl.load({slot}_ptr + tl.arange(0, 2 * {slot}_WINDOW))")
+        code.line("else:")
+        code.line(f"    {slot} = tl.zeros([2], tl.int16)")
+        slots[node] = slot
+    return slots
+
+
+def _row_atoms(code: Code, rows: str, shape: tuple[int, ...]) -> list[Ix]:
+    """Index atoms of the leading dims of ``shape`` from the flat row index ``rows`` (int64)."""
+    lead = list(shape[:-1])
+    atoms: list[Ix] = [Ix()] * len(lead)
+    rest = rows
+    for d in reversed(range(len(lead))):
+        n = lead[d]
+        if n == 1:
+            continue
+        outer = math.prod(lead[:d])
+        expr = rest if outer == 1 else f"{rest} % {n}"
+        atoms[d] = Ix.of(Atom(code.let(expr, f"i{d}_"), n, False))
+        if outer > 1:
+            rest = code.let(f"{rest} // {n}", "q")
+    return atoms
+
+
+def _store_outputs(em: Emitter, region: Region, launch: Launch, index: Index, outs: list[Operand]) -> None:
+    full = launch.full_index(index)
+    for node, op in zip(region.outputs, outs):
+        out_index = reshape_index(full, region.domain, shape_of(node))
+        em.store(op, out_index, em.value(node, out_index))
+
+
+# --- pointwise ---------------------------------------------------------------------------------
+
+
+def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
+    shape = launch.shape
+    n_rows, width = math.prod(shape[:-1]), shape[-1]
+    block_r, block_c, (grid_r, grid_c) = elementwise_blocks(n_rows, width)
+    tiles = TABLE_TILES if region.tables else 1
+    loads: dict[fx.Node, Operand] = {}
+    outs = output_operands(region)
+    code = Code()
+    code.line("pid_r = tl.program_id(0)")
+    code.line("cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]")
+    code.line(f"col_ok = cols < {width}")
+    slots = _table_preamble(region, code)
+    code.line("for tile in tl.static_range(TILES):")
+    body = code.scope("        ")
+    body.line("rows = ((pid_r * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]).to(tl.int64)")
+    body.line(f"row_ok = rows < {n_rows}")
+    body.line("mask = row_ok & col_ok")
+    index = tuple(_row_atoms(body, "rows", shape)) + (Ix.of(Atom("cols", width, True)),)
+    tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok")
+    em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces=dict(launch.pieces), tables=slots)
+    _store_outputs(em, region, launch, index, outs)
+    code.extend(body)
+    return _kernel(region, loads, code, {"BLOCK_R": block_r, "BLOCK_C": block_c, "TILES": tiles},
+                   (-(-grid_r // tiles), grid_c), ELEMENTWISE_TILE["num_warps"])
+
+
+def _kernel(region: Region, loads: dict, code: Code, consts: dict, grid, num_warps: int) -> GeneratedKernel:
+    inputs = list(loads)
+    params = _params(region, inputs)
+    source = _signature(region, params, list(consts)) + "\n" + code.text() + "\n"
+    return GeneratedKernel(source, tuple(inputs), params, tuple(consts.items()), tuple(grid), num_warps)
+
+
+# --- reductions --------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+
+
+def reduction_kind(node: fx.Node) -> str | None:
+    """The template that computes ``node``'s statistics, when it is a reduction the engine
+    reproduces; None otherwise."""
+    if node.op != "call_function":
+        return None
+    check = _REDUCTIONS.get(node.target)
+    return None if check is None or check[1](node) is not None else check[0]
+
+
+def why_not_reduction(node: fx.Node) -> str | None:
+    check = _REDUCTIONS.get(node.target)
+    return "not a reduction" if check is None else check[1](node)
+
+
+def _last_dim_only(node: fx.Node, normalized) -> str | None:
+    shape = shape_of(node.args[0])
+    if list(normalized) != [shape[-1]]:
+        return f"normalised over {list(normalized)} (the engine takes the last dim)"
+    return None
+
+
+def _params_like_input(node: fx.Node, params) -> str | None:
+    dtype = dtype_of(node.args[0])
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input of dtype {dtype}"
+    for p in params:
+        if p is not None and (not isinstance(p, fx.Node) or dtype_of(p) != dtype or len(shape_of(p)) != 1):
+            return "weight or bias of another dtype or shape"
+    return None
+
+
+def _layer_norm_check(node: fx.Node) -> str | None:
+    x, normalized, weight, bias = node.args[:4]
+    if bias is not None and weight is None:
+        return "bias without weight (eager's expression for it not reproduced)"
+    width = shape_of(x)[-1]
+    if width % 4:
+        return "D % 4 != 0 (ATen's non-vectorised LayerNorm)"
+    return _last_dim_only(node, normalized) or _params_like_input(node, (weight, bias))
+
+
+def _fused_rms_check(node: fx.Node) -> str | None:
+    x, normalized, weight = node.args[:3]
+    width = shape_of(x)[-1]
+    if width % 4:
+        return "D % 4 != 0 (ATen's non-vectorised RMSNorm)"
+    if width > 16384:
+        return "rows wider than 16384"
+    return _last_dim_only(node, normalized) or _params_like_input(node, (weight,))
+
+
+def _mean_check(node: fx.Node) -> str | None:
+    from exactdit.ops.rms_norm import _reduce_config
+
+    x = node.args[0]
+    shape = shape_of(x)
+    dims = node.args[1] if len(node.args) > 1 else None
+    if dims is None or [d % len(shape) for d in dims] != [len(shape) - 1]:
+        return "mean over other dims than the last"
+    if node.kwargs.get("dtype") is not None or dtype_of(x) != torch.float32:
+        return "mean of a non-fp32 tensor"
+    width = shape_of(x)[-1]
+    if width >= 128 and width % 4:
+        return "rows misaligned in ATen's reduction (D % 4 != 0)"
+    val = x.meta["val"]
+    if not val.is_contiguous():
+        return "mean of a non-contiguous tensor"
+    cfg = _reduce_config(math.prod(shape[:-1]), width)
+    return cfg if isinstance(cfg, str) else None
+
+
+_REDUCTIONS = {
+    aten.native_layer_norm.default: ("layer_norm", _layer_norm_check),
+    aten._fused_rms_norm.default: ("fused_rms_norm", _fused_rms_check),
+    aten.mean.dim: ("mean", _mean_check),
+}
+
+
+def _launch_reduction(region: Region, launch: Launch) -> fx.Node:
+    """The reduction whose rows this launch computes (the one feeding its cat piece)."""
+    if launch.pieces:
+        cat, k = launch.pieces[0]
+        from exactdit.engine.aten_ops import cat_pieces
+
+        piece_input = cat_pieces(cat)[1][k][0]
+        found = [r for r in region.reductions if _feeds(r, piece_input, set(region.nodes))]
+    else:
+        found = list(region.reductions)
+    if len(found) != 1:
+        raise Unfusable(f"{len(found)} reductions in one launch")
+    red = found[0]
+    if shape_of(red.args[0]) != tuple(launch.shape):
+        raise Unfusable("reduction rows do not match the launch", red)
+    return red
+
+
+def _feeds(a: fx.Node, b: fx.Node, members: set) -> bool:
+    """Whether ``a`` is ``b`` or an ancestor of it inside the region."""
+    todo, seen = [b], set()
+    while todo:
+        n = todo.pop()
+        if n is a:
+            return True
+        if n in seen or n not in members:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _prologue_outputs(region: Region, red: fx.Node) -> list[int]:
+    """Outputs computed before the reduction (its input or feeding it): stored in pass 1."""
+    members = set(region.nodes)
+    return [k for k, out in enumerate(region.outputs) if out is not red and _feeds(out, red.args[0], members)]
+
+
+class _Reduction:
+    """Shared plumbing of the reduction templates: one region, one launch, two passes."""
+
+    def __init__(self, region: Region, launch: Launch):
+        self.region = region
+        self.launch = launch
+        self.red = _launch_reduction(region, launch)
+        self.x = self.red.args[0]
+        self.width = launch.shape[-1]
+        self.n_rows = math.prod(launch.shape[:-1])
+        self.loads: dict[fx.Node, Operand] = {}
+        self.outs = output_operands(region)
+        self.code = Code()
+        self.members = set(region.nodes)
+        self.slots = _table_preamble(region, self.code)
+        self.early = _prologue_outputs(region, self.red)
+        self.stats: dict = {}
+
+    def emitter(self, code: Code, tile: Tile, stored: dict | None = None) -> Emitter:
+        return Emitter(code, tile, members=self.members, loads=self.loads, stored=stored, stats=self.stats,
+                       pieces=dict(self.launch.pieces), tables=self.slots)
+
+    def reduction_input(self, em: Emitter, index: Index) -> str:
+        """fp32 code of the reduction's input at ``index``, with the prologue outputs stored."""
+        full = self.launch.full_index(index)
+        for k in self.early:
+            node = self.region.outputs[k]
+            out_index = reshape_index(full, self.region.domain, shape_of(node))
+            em.store(self.outs[k], out_index, em.value(node, out_index))
+        x = em.value(self.x, index)
+        return em.widen(em.broadcast(x, 2))
+
+    def epilogue(self, em: Emitter, index: Index) -> None:
+        full = self.launch.full_index(index)
+        for k, node in enumerate(self.region.outputs):
+            if k in self.early:
+                continue
+            out_index = reshape_index(full, self.region.domain, shape_of(node))
+            em.store(self.outs[k], out_index, em.value(node, out_index))
+
+    def stored(self) -> dict[fx.Node, Operand]:
+        return {self.region.outputs[k]: self.outs[k] for k in self.early}
+
+    def set_stats(self, row: Index, **vals: Val) -> None:
+        self.stats[self.red] = dict(vals, row=_row_form(row, self.launch.shape), shape=tuple(self.launch.shape))
+
+    def kernel(self, consts: dict, grid, num_warps: int) -> GeneratedKernel:
+        return _kernel(self.region, self.loads, self.code, consts, grid, num_warps)
+
+
+def _row_form(row: Index, shape) -> Ix:
+    from exactdit.engine.indexing import linearize
+
+    return linearize(row, shape[:-1])
+
+
+def _eps32(node: fx.Node, position: int) -> str:
+    from exactdit.engine.emit import f32_bits
+
+    eps = node.args[position] if len(node.args) > position else None
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+    return f"tl.full([], {f32_bits(float(eps))}, tl.uint32).to(tl.float32, bitcast=True)"
+
+
+def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
+    """ATen's ``vectorized_layer_norm_kernel``: one row per program, 128 Welford "threads"."""
+    from exactdit.kernels import layer_norm as ln_k
+
+    t = _Reduction(region, launch)
+    code, width = t.code, t.width
+    n_vec = width // 4
+    n_iter = -(-n_vec // ln_k.THREADS)
+    unroll = n_iter <= ln_k.MAX_UNROLL
+    full = width % (4 * ln_k.THREADS) == 0
+    choices = ln_k.CHOICES
+    tree_count = width // ln_k.THREADS if full and not choices["rcp_approx"] and width <= ln_k.MAX_CONSTANT_COUNT else 0
+    code.line("row = tl.program_id(0).to(tl.int64)")
+    row = tuple(_row_atoms(code, "row", launch.shape))
+    code.line(f"eps = {_eps32(t.red, 4)}")
+    for v in ("mean", "m2", "cnt"):
+        code.line(f"{v} = tl.zeros((128,), tl.float32)")
+    code.line(f"for j in tl.static_range({n_iter}):" if unroll else f"for j in range(0, {n_iter}):")
+    body = code.scope("        ")
+    body.line("cols1 = ln_k.vector_columns(j)")
+    body.line(f"mask1 = cols1 < {width}")
+    em = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), "[128, 4]", None, "mask1", None))
+    x = t.reduction_input(em, row + (Ix.of(Atom("cols1", width, True)),))
+    body.line(f"mean, m2, cnt = ln_k.welford_update({x}, j, {n_vec}, mean, m2, cnt, {choices['rcp_approx']}, "
+              f"{unroll and not choices['rcp_approx']}, {full})")
+    code.extend(body)
+    code.line(f"mean_r, rstd_r = ln_k.welford_finish(mean, m2, cnt, {width}, eps, "
+              f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']}, {tree_count})")
+    if t.early:
+        code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1), rstd=Val("rstd_r", torch.float32, 1))
+    block = min(2048, max(512, next_power_of_2(width)))
+    n_out = -(-width // block)
+    code.line(f"for k2 in tl.static_range({n_out}):" if unroll else f"for k2 in range(0, {n_out}):")
+    body = code.scope("        ")
+    body.line(f"cols2 = k2 * {block} + tl.arange(0, {block})[None, :]")
+    body.line(f"mask2 = cols2 < {width}")
+    index = row + (Ix.of(Atom("cols2", width, True)),)
+    t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None), stored=t.stored()), index)
+    code.extend(body)
+    return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
+
+
+def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
+    """ATen's ``vectorized_layer_norm_kernel`` with the rms flag (``F.rms_norm``): 128 threads
+    per row, thread t owns the float4 vectors t, t + 128, ...; ``BLOCK_R`` rows per program.
+    Rows of up to 512 (one vector per thread) are one tile for both passes."""
+    from exactdit.kernels import rope as rope_k
+
+    t = _Reduction(region, launch)
+    code, width = t.code, t.width
+    n_vec = width // 4
+    threads = rope_k.THREADS
+    iters = -(-n_vec // threads)
+    block_n = next_power_of_2(width)
+    block_r = max(1, rope_k.ROW_BLOCK_ELEMENTS // block_n)
+    code.line(f"rows = (tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]).to(tl.int64)")
+    code.line(f"row_ok = rows < {t.n_rows}")
+    row = tuple(_row_atoms(code, "rows", launch.shape))
+    code.line(f"eps = {_eps32(t.red, 3)}")
+    row_shape = f"[{block_r}, 1]"
+    if iters == 1:
+        lanes = next_power_of_2(n_vec)  # threads past the row add +0: no change to any sum
+        index = row + (Ix.of(Atom("cols", width, True)),)
+        code.line(f"cols = tl.arange(0, {block_n})[None, :]")
+        code.line(f"mask = row_ok & (cols < {width})")
+        em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok"))
+        x = t.reduction_input(em, index)
+        code.line(f"acc = rope_k.thread_sums_from_tile(tl.where(mask, {x}, 0.0), {block_r}, {lanes}, "
+                  f"{rope_k.SQUARE_FMA})")
+        code.line(f"var = div_rn(rope_k.block_sum(acc, {block_r}, {lanes}), tl.full((), {width}, tl.float32))")
+        code.line("rstd_r = rsqrt_approx(add_rn(var, eps))[:, None]")
+        t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
+        t.epilogue(em, index)
+        return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
+    code.line(f"acc = tl.zeros([{block_r}, {threads}], tl.float32)")
+    code.line(f"for j in tl.static_range({iters}):")
+    code.line("    for e in tl.static_range(4):")
+    body = code.scope("            ")
+    body.line(f"cols1 = ((j * {threads} + tl.arange(0, {threads})) * 4 + e)[None, :]")
+    body.line(f"mask1 = row_ok & (cols1 < {width})")
+    index1 = row + (Ix.of(Atom("cols1", width, True)),)
+    x = t.reduction_input(t.emitter(body, Tile(index1, f"[{block_r}, {threads}]", row_shape, "mask1", "row_ok")), index1)
+    body.line(f"acc = rope_k.square_accumulate(acc, tl.where(mask1, {x}, 0.0), {rope_k.SQUARE_FMA})")
+    code.extend(body)
+    if t.early:
+        code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
+    code.line(f"var = div_rn(rope_k.block_sum(acc, {block_r}, {threads}), tl.full((), {width}, tl.float32))")
+    code.line("rstd_r = rsqrt_approx(add_rn(var, eps))[:, None]")
+    t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
+    tile = min(block_n, 2048)
+    code.line(f"for k2 in tl.static_range({-(-width // tile)}):")
+    body = code.scope("        ")
+    body.line(f"cols2 = k2 * {tile} + tl.arange(0, {tile})[None, :]")
+    body.line(f"mask2 = row_ok & (cols2 < {width})")
+    index2 = row + (Ix.of(Atom("cols2", width, True)),)
+    t.epilogue(t.emitter(body, Tile(index2, f"[{block_r}, {tile}]", row_shape, "mask2", "row_ok"), stored=t.stored()),
+               index2)
+    code.extend(body)
+    return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
+
+
+def _mean(region: Region, launch: Launch) -> GeneratedKernel:
+    """ATen's generic reduction (Reduce.cuh) of ``x.mean(-1)`` for fp32 rows, in the launch
+    configuration ATen picks for this row count (:mod:`exactdit.aten_reduce`)."""
+    from exactdit.kernels import rms_norm as rms_k
+    from exactdit.ops.rms_norm import _mean_factor, _reduce_config
+
+    t = _Reduction(region, launch)
+    if t.x not in t.members:
+        raise Unfusable("mean of a tensor the region does not compute", t.red)
+    code, width = t.code, t.width
+    cfg = _reduce_config(t.n_rows, width)
+    if isinstance(cfg, str):
+        raise Unfusable(cfg, t.red)
+    threads = cfg.block_width * cfg.warps_per_row
+    chunk = 4 * threads if cfg.vectorize_input else threads
+    n_chunks = -(-width // chunk)
+    rows, warps, unroll, tail = rms_k.launch_shape(chunk, width)
+    factor = _mean_factor(t.n_rows, width)
+    code.line(f"rows = (tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]).to(tl.int64)")
+    code.line(f"row_ok = rows < {t.n_rows}")
+    row = tuple(_row_atoms(code, "rows", launch.shape))
+    for a in ("acc", "a1", "a2", "a3"):
+        code.line(f"{a} = tl.zeros([{rows}, {chunk}], tl.float32)")
+    accumulators = ["acc", "a1", "a2", "a3"]
+    if cfg.vectorize_input:
+        code.line(f"for j in tl.range(0, {n_chunks}, loop_unroll_factor={unroll}):")
+        loops = [("j", "acc")]
+    else:
+        loops = [(str(j), accumulators[j % 4]) for j in range(n_chunks)]
+    for j, acc in loops:
+        body = code.scope("        " if cfg.vectorize_input else "    ")
+        body.line(f"cols1 = {j} * {chunk} + tl.arange(0, {chunk})[None, :]")
+        body.line(f"mask1 = row_ok & (cols1 < {width})")
+        em1 = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), f"[{rows}, {chunk}]",
+                                   f"[{rows}, 1]", "mask1", "row_ok"))
+        x = t.reduction_input(em1, row + (Ix.of(Atom("cols1", width, True)),))
+        body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
+        code.extend(body)
+    bw, wy = cfg.block_width, cfg.warps_per_row
+    code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bw.bit_length() - 1}, "
+              f"{wy.bit_length() - 1}, {bool(cfg.vectorize_input)})")
+    code.line(f"mean_r = mul_rn(total, {_f32_code(factor)})[:, None]")
+    if t.early:
+        code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
+    code.line(f"for k2 in tl.range(0, {-(-width // tail)}, loop_unroll_factor={unroll}):")
+    body = code.scope("        ")
+    body.line(f"cols2 = k2 * {tail} + tl.arange(0, {tail})[None, :]")
+    body.line(f"mask2 = row_ok & (cols2 < {width})")
+    index = row + (Ix.of(Atom("cols2", width, True)),)
+    t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok"),
+                         stored=t.stored()), index)
+    code.extend(body)
+    return t.kernel({}, (-(-t.n_rows // rows),), warps)
+
+
+def _f32_code(value: float) -> str:
+    from exactdit.engine.emit import f32_bits
+
+    return f"tl.full([], {f32_bits(value)}, tl.uint32).to(tl.float32, bitcast=True)"
+
+
+TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm": _fused_rms_norm, "mean": _mean}
+
+
+
+def generate(region: Region, launch: Launch) -> GeneratedKernel:
+    """The kernel of one launch of ``region`` (raises :class:`Unfusable`)."""
+    return TEMPLATES[region.kind](region, launch)
+
+
+def reduction_output_rule(base: fx.Node, k: int):
+    """Rule for ``getitem(base, k)`` when ``base`` is a reduction the templates compute; None
+    otherwise."""
+    make = _REDUCTION_OUTPUTS.get(base.target)
+    return None if make is None else make(base, k)
+
+
+def _row_stats(em: Emitter, red: fx.Node, row: Index) -> dict:
+    """The statistics of ``red`` for the row ``row`` (leading index) -- which must be the row
+    the pass is on: a value cannot read another row's statistics."""
+    stats = em.stats.get(red)
+    if stats is None:
+        raise Unfusable("the reduction's statistics are not computed before this value")
+    if _row_form(tuple(row) + (Ix(),), stats["shape"]) != stats["row"]:
+        raise Unfusable("reads the statistics of another row")
+    return stats
+
+
+def _stat_rule(field: str):
+    def emit(em: Emitter, node: fx.Node, index: Index) -> Val:
+        red = node.args[0]
+        return _row_stats(em, red, index[:-1])[field]
+
+    return Rule(REDUCTION_OUTPUT, emit)
+
+
+def _layer_norm_output(em: Emitter, node: fx.Node, index: Index) -> Val:
+    ln = node.args[0]
+    x_node, _, weight, bias = ln.args[:4]
+    stats = _row_stats(em, ln, index[:-1])
+    x = em.widen(em.broadcast(em.value(x_node, index), 2))
+    w = em.widen(em.value(weight, index[-1:])) if weight is not None else x
+    b = em.widen(em.value(bias, index[-1:])) if bias is not None else x
+    y = f"ln_k.normalized({x}, {stats['mean'].name}, {stats['rstd'].name}, {w}, {b}, {weight is not None}, {bias is not None})"
+    return em.rounded(y, dtype_of(node), 2)
+
+
+def _rms_norm_output(em: Emitter, node: fx.Node, index: Index) -> Val:
+    red = node.args[0]
+    x_node, _, weight = red.args[:3]
+    stats = _row_stats(em, red, index[:-1])
+    x = em.widen(em.broadcast(em.value(x_node, index), 2))
+    w = em.widen(em.value(weight, index[-1:])) if weight is not None else x
+    y = f"rope_k.rms_normed({x}, {w}, {stats['rstd'].name}, tl.float32, {weight is not None})"
+    return em.rounded(em.code.let(y, "n"), dtype_of(node), 2)
+
+
+def _outputs(*rules):
+    return lambda base, k: rules[k] if k < len(rules) else None
+
+
+_REDUCTION_OUTPUTS = {
+    aten.native_layer_norm.default: _outputs(Rule(REDUCTION_OUTPUT, _layer_norm_output), _stat_rule("mean"),
+                                             _stat_rule("rstd")),
+    aten._fused_rms_norm.default: _outputs(Rule(REDUCTION_OUTPUT, _rms_norm_output), _stat_rule("rstd")),
+}
+
+
+def _mean_output(em: Emitter, node: fx.Node, index: Index) -> Val:
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return _row_stats(em, node, index[:-1] if keepdim else index)["mean"]
+
+
+register_rule(aten.mean.dim, Rule(REDUCTION_OUTPUT, _mean_output, lambda node: why_not_reduction(node)))

@@ -1,0 +1,107 @@
+"""Test plumbing for the engine: capture blocks of diffusers models on the CPU, and run a captured
+graph as CUDA eager would (reductions through the order models), so that regions with
+reductions can be held to CUDA's bits in Triton's interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from exactdit.aten_norms import layer_norm_order_model, rms_norm_order_model
+from exactdit.aten_reduce import mean_lastdim_reference_order
+
+aten = torch.ops.aten
+
+
+def interpreter_rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """What ``numerics.rsqrt_approx`` computes in Triton's interpreter: fl(1 / fl(sqrt(x)))."""
+    return torch.ones_like(x) / torch.sqrt(x)
+
+
+def _mean(x, dims, keepdim=False, dtype=None):
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    out = mean_lastdim_reference_order(rows, num_rows=rows.shape[0])
+    shape = x.shape[:-1] + ((1,) if keepdim else ())
+    return out.reshape(shape)
+
+
+def _layer_norm(x, normalized, weight, bias, eps):
+    y, mean, rstd = layer_norm_order_model(x, weight, bias, eps, rsqrt=interpreter_rsqrt, vectorized=True,
+                                           return_stats=True)
+    return y, mean, rstd
+
+
+def _fused_rms(x, normalized, weight, eps=None):
+    return rms_norm_order_model(x, weight, eps, rsqrt=interpreter_rsqrt, vectorized=True, return_rstd=True)
+
+
+CUDA_ORDER = {
+    aten.mean.dim: _mean,
+    aten.native_layer_norm.default: _layer_norm,
+    aten._fused_rms_norm.default: _fused_rms,
+    aten.rsqrt.default: interpreter_rsqrt,
+}
+
+
+class CudaOrderInterpreter(fx.Interpreter):
+    """Runs an ATen graph with CUDA's reduction orders (on CPU tensors)."""
+
+    def call_function(self, target, args, kwargs):
+        fn = CUDA_ORDER.get(target)
+        if fn is not None:
+            return fn(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[fx.GraphModule, list]]:
+    """The ATen inference graphs of ``model``'s repeated blocks and the real inputs of their first
+    call: [(graph module, inputs)]."""
+    captured: list = []
+
+    def compiler(gm, example_inputs):
+        entry = [gm, None]
+        captured.append(entry)
+
+        def run(*args):
+            if entry[1] is None:
+                entry[1] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            return gm(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend=aot_autograd(fw_compiler=compiler))
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        uncompile(model)
+    return [(gm, inputs) for gm, inputs in captured]
+
+
+def uncompile(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def trusted():
+    """Fused paths without verification (on CPU, regions with CUDA reductions otherwise run
+    eager): the test compares against the CUDA-order interpreter instead."""
+    import os
+
+    old = os.environ.get("EXACTDIT_TRUST")
+    os.environ["EXACTDIT_TRUST"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["EXACTDIT_TRUST"]
+        else:
+            os.environ["EXACTDIT_TRUST"] = old

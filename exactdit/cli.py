@@ -14,6 +14,8 @@ import click
 CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.tiny.CONFIGS
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
+SEED = click.IntRange(min=0, max=2**64 - 1)
 
 
 def _version() -> str:
@@ -50,7 +52,7 @@ def version() -> None:
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
               help="Embedded model size [default: tiny on CPU, small on CUDA].")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="Sampling steps.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights, noise and text features.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for weights, noise and text features.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
               help="Model dtype [default: fp32 on CPU, bf16 on CUDA].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
@@ -84,7 +86,7 @@ def demo(config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, pr
 @click.option("--prompt", required=True, help="Text prompt.")
 @click.option("--negative-prompt", default="", show_default=True, help="Negative prompt (used when CFG > 1).")
 @click.option("--ab", is_flag=True, help="Also run eager (twice) and write an A/B report.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
               help="Denoising steps (ERNIE-Image-Turbo: 8).")
 @click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
@@ -120,11 +122,11 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
     sys.exit(code)
 
 
-@main.command("tiny-pipeline", hidden=True)
+@main.command("tiny-pipeline")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 def tiny_pipeline(out_dir, seed) -> None:
-    """Save a tiny random-weight ERNIE-Image pipeline (for smoke tests of `generate`, 32x32 images)."""
+    """Save a tiny random-weight ERNIE-Image pipeline folder: try `generate` offline (use 16 or 32 px sizes)."""
     from exactdit.harness.tiny import save_tiny_pipeline
 
     try:

@@ -181,7 +181,11 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     """Run ``op`` on ``args`` through the gate (see the module docstring)."""
     st = _op_stats(op.name)
     key = arg_key(args)
-    plan = st.plans.get(key)
+    try:
+        plan = st.plans.get(key)
+    except TypeError:  # an unhashable argument (e.g. a list): let validation say what is wrong with it
+        _plan(op, args)
+        raise
     if plan is None:
         plan = _plan(op, args)
         with _lock:
@@ -280,8 +284,16 @@ def first_difference(out: Any, ref: Any) -> str | None:
     count = int(differs.sum())
     return (
         f"{count} of {out.numel()} elements differ, first at index {index}: "
-        f"fused {out[index].item()!r} vs eager {ref[index].item()!r}"
+        f"fused {_show_element(out[index])} vs eager {_show_element(ref[index])}"
     )
+
+
+def _show_element(t: torch.Tensor) -> str:
+    """One element's value and, for floats, its bit pattern (two NaNs print alike, their bits differ)."""
+    if not t.dtype.is_floating_point:
+        return repr(t.item())
+    bits = int(_bits(t).item()) & ((1 << 8 * t.element_size()) - 1)
+    return f"{t.item()!r} (0x{bits:0{2 * t.element_size()}x})"
 
 
 class Report(dict):

@@ -43,7 +43,7 @@ def assert_clean_error(res, code, *needles):
 def test_help_and_version():
     res = invoke("--help")
     assert res.exit_code == 0
-    for cmd in ("demo", "generate", "compare"):
+    for cmd in ("demo", "generate", "compare", "selfcheck", "tiny-pipeline"):
         assert cmd in res.output
     res = invoke("--version")
     assert res.exit_code == 0 and res.output.startswith("exactdit ")
@@ -68,6 +68,13 @@ def test_demo_tiny_end_to_end(tmp_path):
     assert "EQUAL" in out and "DIFFERENT" not in out
     assert "fused Triton path needs a CUDA GPU" in out
     assert "fell back to eager" in out
+    # the slow phases announce themselves (issue 17, item 4) ...
+    assert "building weights:" in out and "built in" in out
+    assert "eager: 1 untimed warmup call" in out and "patched: warmup done in" in out
+    # ... and the output says what ran: no speedup without a GPU (item 6)
+    assert "speedup  " not in out and "no speedup is shown" in out
+    if INTERPRET:
+        assert "Triton's CPU interpreter" in out and "both runs use eager" not in out
     for f in ("demo_latents.png", "perf_eager.json", "perf_patched.json"):
         assert (tmp_path / f).is_file(), f
     eager = json.loads((tmp_path / "perf_eager.json").read_text())
@@ -114,6 +121,35 @@ def test_demo_exits_nonzero_when_runs_differ(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "perf_patched.json").read_text())["outputs"]["verdict"] == "DIFFERENT"
 
 
+def test_demo_without_the_interpreter_says_everything_ran_eager(monkeypatch, tmp_path):
+    from exactdit import gate
+
+    monkeypatch.setattr(gate, "INTERPRET", False)  # CPU as a user has it: no fused kernel can run
+    res = invoke("demo", "--config", "diffusers_test", "--steps", 1, "--out", tmp_path, "--device", "cpu",
+                 "--no-progress", "--warmup", 0)
+    assert res.exit_code == 0, res.output
+    assert "the patched run falls back to eager PyTorch op by op" in res.output
+    assert "no speedup is shown: both runs used eager PyTorch" in res.output
+    assert "interpreter" not in res.output and "untimed warmup" not in res.output
+
+
+def test_demo_warns_that_a_huge_config_is_impractical_on_cpu(monkeypatch, tmp_path):
+    from exactdit.harness import demo as demo_mod
+
+    def stop(*args, **kwargs):
+        raise demo_mod.HarnessError("stopped before building")
+
+    monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 1 << 50)  # passes the memory check
+    monkeypatch.setattr(demo_mod, "build_transformer", stop)
+    res = invoke("demo", "--config", "full", "--dtype", "bf16", "--device", "cpu", "--out", tmp_path)
+    assert_clean_error(res, 1, "is impractical on CPU", "building weights: 15.0 GiB in bf16",
+                       "Error: stopped before building")
+    assert res.output.index("impractical") < res.output.index("building weights")
+    res = invoke("demo", "--config", "small", "--device", "cpu", "--out", tmp_path)
+    assert_clean_error(res, 1, "building weights")
+    assert "impractical" not in res.output
+
+
 def test_demo_without_patch_api_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.delattr(exactdit, "patch", raising=False)
     res = invoke("demo", "--config", "tiny", "--steps", 1, "--out", tmp_path)
@@ -130,6 +166,10 @@ def test_demo_without_patch_api_is_a_clear_error(monkeypatch, tmp_path):
         (["generate", "--prompt", "x"], "--model-path"),
         (["generate", "--model-path", "."], "--prompt"),
         (["compare"], "FILES"),
+        (["demo", "--seed", "99999999999999999999999"], "--seed"),
+        (["demo", "--seed", "-1"], "--seed"),
+        (["generate", "--model-path", ".", "--prompt", "x", "--seed", str(2**64)], "--seed"),
+        (["tiny-pipeline", "out", "--seed", str(2**64)], "--seed"),
     ],
 )
 def test_bad_arguments_exit_2(args, needle):
@@ -208,10 +248,52 @@ def test_generate_incomplete_folder(tiny_pipe_dir, tmp_path):
     assert_clean_error(res, 1, "vae/")
 
 
-def test_generate_bad_size(tiny_pipe_dir, tmp_path):
+def test_generate_bad_size_is_refused_before_loading(tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import generate as gen_mod
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the size was checked")
+
+    monkeypatch.setattr(gen_mod, "load_pipeline", no_load)
     res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--height", 30, "--width", 32,
                  "--steps", 1, "--out", tmp_path)
-    assert_clean_error(res, 1, "multiples of 4")
+    assert_clean_error(res, 1, "Error: --height and --width must be multiples of 4 for this model (got 30x32)")
+
+
+def test_generate_use_pe_note_comes_before_loading(tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import generate as gen_mod
+
+    def stop(*args, **kwargs):
+        raise gen_mod.ModelDirError("stopped before loading")
+
+    monkeypatch.setattr(gen_mod, "load_pipeline", stop)
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--use-pe", "--height", 32,
+                 "--width", 32, "--out", tmp_path)
+    assert_clean_error(res, 1, "no prompt-enhancer (pe) component", "Error: stopped before loading")
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\xff\xfe\x00binary", "model_index.json is not valid JSON (not UTF-8 text)"),
+    (b"[1]", "model_index.json must hold a JSON object, not a list"),
+    (b"{not json", "model_index.json is not valid JSON"),
+    (b'{"_class_name": "FluxPipeline"}', "holds a FluxPipeline pipeline; expected ErnieImagePipeline"),
+    (b"{}", "model_index.json names no pipeline class (_class_name); expected ErnieImagePipeline"),
+])
+def test_generate_bad_model_index(tmp_path, content, needle):
+    (tmp_path / "model_index.json").write_bytes(content)
+    res = invoke("generate", "--model-path", tmp_path, "--prompt", "x")
+    assert_clean_error(res, 1, "Error: ", needle)
+    assert "a unknown" not in res.output
+
+
+def test_generate_bad_vae_config_is_a_clear_error(tiny_pipe_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipe_dir, broken)
+    (broken / "vae" / "config.json").write_text("[]")
+    res = invoke("generate", "--model-path", broken, "--prompt", "x", "--out", tmp_path / "o")
+    assert_clean_error(res, 1, "vae/config.json must hold a JSON object, not a list")
 
 
 def test_generate_corrupt_weights(tiny_pipe_dir, tmp_path):
@@ -249,6 +331,15 @@ def test_compare_cli_errors(tmp_path):
     assert_clean_error(res, 1, "at least two")
     res = invoke("compare", FIX / "perf_base.json", tmp_path / "missing.json")
     assert_clean_error(res, 1, "no such file")
+    png = tmp_path / "image.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    res = invoke("compare", FIX / "perf_base.json", png)
+    assert_clean_error(res, 1, "image.png: not a JSON file (not UTF-8 text)")
+    bad_stages = tmp_path / "stages.json"
+    bad_stages.write_text(json.dumps({"timings": {"total_s": 1.0, "stages": 3}}))
+    res = invoke("compare", FIX / "perf_base.json", bad_stages)
+    assert_clean_error(res, 1, "stages.json: not an exactdit perf JSON (timings.stages must be an object, got 3)")
+    assert len(res.output.strip().splitlines()) == 1
 
 
 def test_demo_refuses_config_that_does_not_fit(monkeypatch, tmp_path):
@@ -271,10 +362,29 @@ def test_selfcheck_holds_every_op_to_eager():
 def test_selfcheck_says_how_bf16_gelu_runs(monkeypatch):
     from exactdit import selfcheck
 
-    monkeypatch.setattr(selfcheck.ops, "gelu_table_status", lambda: {"cuda:0": "table", "cuda:1": "no reason"})
+    monkeypatch.setattr(selfcheck.ops, "gelu_table_status",
+                        lambda: {"cuda:0": "table", "cuda:1": "no reason", "cpu": "the table path differs"})
     result = invoke("selfcheck")
     assert "geglu: bf16 GELU on cuda:0 by table, checked on all 2^16 inputs" in result.output
     assert "geglu: bf16 GELU on cuda:1 by erf (no reason)" in result.output
+    # off the GPU geglu runs eager: a refused CPU table is no news
+    assert "GELU on cpu" not in result.output
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_selfcheck_says_what_ran_without_a_gpu(monkeypatch, interpret):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from exactdit import gate
+
+    monkeypatch.setattr(gate, "INTERPRET", interpret)
+    result = invoke("selfcheck")
+    assert result.exit_code == 0, result.output
+    if interpret:
+        assert "run fused in Triton's interpreter" in result.output
+        assert "every op takes its eager fallback" not in result.output
+    else:
+        assert "every op takes its eager fallback" in result.output
 
 
 def test_selfcheck_exits_non_zero_when_an_op_differs(monkeypatch):

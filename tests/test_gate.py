@@ -231,3 +231,21 @@ def test_inputs_that_require_grad_run_eager():
         _run(op, r, u, g)
     assert calls
     assert exactdit.report(show=False)["autograd"]["eager_reasons"] == {"autograd is recording (fused kernels have no backward)": 1}
+
+
+def test_a_nan_mismatch_shows_the_bit_patterns():
+    """Two NaNs print alike; the warning must show which bits differ (issue 17, item 7)."""
+
+    def other_nan(r, u, g):
+        out = references.residual_gate_add(r, u, g).clone()
+        out.view(torch.int16)[0, 0] = 0x7FA5  # a NaN eager never gives
+        return out
+
+    op = FusedOp("nan_payload", references.residual_gate_add, other_nan, lambda r, u, g: None, lambda r, u, g: (r.dtype,))
+    r, u, g = _args()
+    r[0, 0] = float("nan")  # eager's result there is a NaN too
+    with pytest.warns(ExactditMismatchWarning, match=r"fused nan \(0x7fa5\) vs eager nan \(0x[0-9a-f]{4}\)"):
+        _run(op, r, u, g)
+    assert gate.first_difference(torch.tensor([-0.0]), torch.tensor([0.0])).endswith(
+        "fused -0.0 (0x80000000) vs eager 0.0 (0x00000000)"
+    )

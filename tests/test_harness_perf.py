@@ -64,3 +64,56 @@ def test_make_record_round_trips_through_strict_json(tmp_path):
     assert back["peak_gpu_memory_bytes"] is None
     assert "git_commit" in back
     assert perf.load_record(p)["label"] == "x"
+
+
+def _record(**timings):
+    return {"schema": perf.SCHEMA, "label": "x", "timings": {"total_s": 1.0, **timings}}
+
+
+@pytest.mark.parametrize("rec, problem", [
+    ({}, "no timings object"),
+    ([1], "holds a JSON list, not an object"),
+    ({"timings": 3}, "no timings object"),
+    (_record(total_s="abc"), 'timings.total_s must be a positive number of seconds, got "abc"'),
+    (_record(total_s=None), "timings.total_s must be a positive number of seconds, got null"),
+    (_record(total_s=0), "timings.total_s must be a positive number of seconds, got 0"),
+    (_record(total_s=-1.5), "got -1.5"),
+    (_record(total_s=True), "got true"),
+    (_record(total_s=float("nan")), "got NaN"),
+    ({"timings": {"total_s": 1.0, "stages": 3}}, "timings.stages must be an object, got 3"),
+    (_record(stages={"denoising_s": "fast"}), 'timings.stages.denoising_s must be null or a number of seconds >= 0'),
+    (_record(steps_s=[0.1, "x"]), "timings.steps_s must be a list of seconds >= 0"),
+    (_record(steps_s=0.1), "timings.steps_s must be a list"),
+    ({**_record(), "peak_gpu_memory_bytes": "1GB"}, "peak_gpu_memory_bytes must be null or a number"),
+    ({**_record(), "device": "cuda"}, 'device must be an object, got "cuda"'),
+    ({**_record(), "label": ["a"]}, "label must be a string"),
+    ({**_record(), "schema": "exactdit.perf/9"}, 'schema "exactdit.perf/9", expected exactdit.perf/1'),
+], ids=str)
+def test_one_schema_check_refuses_every_bad_field(tmp_path, rec, problem):
+    """Every malformed value is refused by the one check with the field's name (issue 17, item 2),
+    never shown as "–" nor raised as a traceback from inside compare."""
+    assert problem in perf.schema_problem(rec)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(rec))
+    with pytest.raises(perf.PerfFileError, match=r"bad\.json: not an exactdit perf JSON \(") as info:
+        perf.compare([FIX / "perf_base.json", bad])
+    assert problem in str(info.value) and "\n" not in str(info.value)
+
+
+def test_null_and_absent_optional_fields_are_fine(tmp_path):
+    minimal = tmp_path / "minimal.json"
+    minimal.write_text(json.dumps({"timings": {"total_s": 4.0, "stages": None, "steps_s": None},
+                                   "peak_gpu_memory_bytes": None, "device": None}))
+    assert perf.schema_problem(json.loads(minimal.read_text())) is None
+    out = perf.compare([FIX / "perf_base.json", minimal])
+    assert "| end-to-end (s) | 10.0000 | 4.0000 (-60.0%, 2.50x) |" in out
+    assert "| decoding (s) | 1.0000 | – |" in out
+    for name in ("perf_base.json", "perf_new.json", "perf_demo_cpu.json"):
+        assert perf.schema_problem(json.loads((FIX / name).read_text())) is None
+
+
+def test_binary_file_is_a_clear_error(tmp_path):
+    png = tmp_path / "latents.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    with pytest.raises(perf.PerfFileError, match=r"latents\.png: not a JSON file \(not UTF-8 text\)"):
+        perf.compare([FIX / "perf_base.json", png])

@@ -77,7 +77,7 @@ def test_layer_norm_kernel_matches_model(case):
     assert_like_model(out, x, 1e-6, w, b, str(case))
 
 
-@pytest.mark.parametrize("dtype,upcast", itertools.product(DTYPES, [False, True]))
+@pytest.mark.parametrize("dtype,upcast", list(itertools.product(DTYPES, [False, True])))
 def test_layer_norm_modulate_kernel_matches_model(dtype, upcast):
     g = torch.Generator().manual_seed(11 + int(upcast))
     for (kind, sk, hk), affine in zip(

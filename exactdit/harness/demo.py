@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,7 +14,7 @@ import torch
 from . import _api, metrics, perf
 from .ab import latent_side_by_side
 from .sampling import make_inputs, sample, warmup
-from .tiny import build_transformer, count_params, dtype_from_name, dtype_name, estimate_bytes, get_config
+from .tiny import build_transformer, dtype_from_name, dtype_name, estimate_bytes, get_config
 
 
 class HarnessError(RuntimeError):
@@ -40,9 +41,28 @@ def default_dtype(device: torch.device) -> str:
 
 
 CPU_NOTE = (
-    "No CUDA GPU: the fused Triton path needs a CUDA GPU, so on this machine both runs use eager "
-    "PyTorch (exactdit falls back op by op). This checks the harness and the fallback, not the kernels."
+    "No CUDA GPU: the fused Triton path needs a CUDA GPU, so here the patched run falls back to eager "
+    "PyTorch op by op. This checks the harness and the fallback, not the kernels."
 )
+INTERPRETER_NOTE = (
+    "No CUDA GPU, TRITON_INTERPRET=1: the fused Triton path needs a CUDA GPU for speed; here the patched run's "
+    "fused kernels run in Triton's CPU interpreter (slow) and ops that reproduce a CUDA kernel's rounding run "
+    "eager. This checks the kernels' results, not their speed."
+)
+#: Above this many parameters a CPU run is impractical (the full 8B config: minutes to build, hours to sample).
+CPU_MAX_PARAMS = 1e9
+
+
+def interpreting() -> bool:
+    """Whether fused kernels run on CPU tensors in Triton's interpreter (what the gate decides by)."""
+    from exactdit import gate
+
+    return bool(gate.INTERPRET)
+
+
+def no_gpu_note() -> str:
+    """What runs where there is no CUDA GPU, said before the runs."""
+    return INTERPRETER_NOTE if interpreting() else CPU_NOTE
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -55,8 +75,9 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse (clearly) a config whose weights alone would not fit, instead of being killed for OOM."""
+def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> int:
+    """Refuse (clearly) a config whose weights alone would not fit, instead of being killed for OOM;
+    returns the bytes its weights need."""
     need = estimate_bytes(config, dtype)
     have = available_bytes(device)
     if have is not None and need * 1.1 > have:
@@ -64,6 +85,7 @@ def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> None:
             f"--config {config} needs about {need / 2**30:.1f} GiB for its weights in {dtype_name(dtype)} but only "
             f"{have / 2**30:.1f} GiB is free on {device.type}; use a smaller --config or a bigger device"
         )
+    return need
 
 
 @dataclass
@@ -93,12 +115,32 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     dtype = dtype_from_name(dtname)
     if opts.steps < 1:
         raise HarnessError("--steps must be >= 1")
-    check_memory(config, dtype, device)
+    weight_bytes = check_memory(config, dtype, device)
+    n_params = weight_bytes // dtype.itemsize
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    transformer = build_transformer(config, seed=opts.seed, dtype=dtype, device=device)
     h, w = cfg["latent_hw"]
+    echo(
+        f"exactdit demo: config={config} ({n_params / 1e6:.2f}M params, {h}x{w} latents, "
+        f"text {cfg['text_len']}/{cfg['neg_text_len']} tokens), {opts.steps} steps, {dtname}, seed {opts.seed}, "
+        f"CFG {opts.guidance_scale:g}"
+    )
+    dev_info = perf.device_info(device)
+    echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
+    if device.type != "cuda":
+        echo("NOTE: " + no_gpu_note())
+        if n_params > CPU_MAX_PARAMS:
+            # it fits in memory, but would keep the CPU busy for hours: say so before the long silence
+            echo(f"WARNING: --config {config} ({n_params / 1e9:.1f}B params) is impractical on CPU: building its "
+                 f"weights takes minutes and sampling hours. Use --config tiny or small here, or a CUDA GPU.")
+
+    # the slow phases (weights, warmup) each announce themselves, so a long run is never silent
+    size = f"{weight_bytes / 2**30:.1f} GiB" if weight_bytes >= 2**30 else f"{weight_bytes / 2**20:.1f} MiB"
+    echo(f"building weights: {size} in {dtname} on {device.type} ...")
+    t0 = time.perf_counter()
+    transformer = build_transformer(config, seed=opts.seed, dtype=dtype, device=device)
+    echo(f"built in {time.perf_counter() - t0:.1f}s")
     inputs = make_inputs(
         transformer,
         latent_hw=cfg["latent_hw"],
@@ -108,16 +150,6 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         guidance_scale=opts.guidance_scale,
         device=device,
     )
-    n_params = count_params(transformer)
-    echo(
-        f"exactdit demo: config={config} ({n_params / 1e6:.2f}M params, {h}x{w} latents, "
-        f"text {cfg['text_len']}/{cfg['neg_text_len']} tokens), {opts.steps} steps, {dtname}, seed {opts.seed}, "
-        f"CFG {opts.guidance_scale:g}"
-    )
-    dev_info = perf.device_info(device)
-    echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
-    if device.type != "cuda":
-        echo("NOTE: " + CPU_NOTE)
 
     args = {
         "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname, "device": str(device),
@@ -139,7 +171,11 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         for label in ("eager", "patched"):
             if label == "patched":
                 patch_summary = ex.patch(transformer)
-            warmup(transformer, inputs, opts.warmup)
+            if opts.warmup:
+                echo(f"{label}: {opts.warmup} untimed warmup call{'s' if opts.warmup > 1 else ''} ...")
+                t0 = time.perf_counter()
+                warmup(transformer, inputs, opts.warmup)
+                echo(f"{label}: warmup done in {time.perf_counter() - t0:.1f}s")
             ex.reset_report()
             perf.reset_peak_memory(device)
             bar, cb = progress(label)
@@ -192,12 +228,17 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         per_step = statistics.median(r.step_times_s) * 1e3
         return f"{label:<9} {per_step:>12.2f} {r.total_s:>11.3f}   {runs[label]['md5']}"
 
-    speedup = eager["result"].total_s / patched["result"].total_s if patched["result"].total_s else float("inf")
+    # a speedup means something only where the patched run used the GPU
+    on_gpu = device.type == "cuda"
+    speedup = None
+    if on_gpu:
+        speedup = eager["result"].total_s / patched["result"].total_s if patched["result"].total_s else float("inf")
     echo("")
     echo(f"{'run':<9} {'step ms(med)':>12} {'total s':>11}   latents md5")
     echo(row("eager"))
     echo(row("patched"))
-    echo(f"{'speedup':<9} {speedup:>12.2f}x")
+    if speedup is not None:
+        echo(f"{'speedup':<9} {speedup:>12.2f}x")
     if equal:
         echo("result    EQUAL: final latents are bit-identical")
     else:
@@ -208,9 +249,12 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         echo(f"  {op:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
     if not patched["report"]:
         echo("  (exactdit.report() listed no ops)")
-    if device.type != "cuda":
-        echo("NOTE: CPU only: fused kernels need a CUDA GPU; the speedup above is eager vs eager.")
-    echo(f"wrote     {preview}, {perf_paths['eager']}, {perf_paths['patched']}")
+    if not on_gpu:
+        ran = (f"{fused} op calls ran fused in Triton's CPU interpreter, {fell_back} eager" if fused
+               else "both runs used eager PyTorch")
+        echo(f"NOTE: no CUDA GPU, so no speedup is shown: {ran}.")
+    echo(f"wrote     {preview} (eager | patched | diff: the latent channels projected to RGB, "
+         f"no VAE, so not a picture), {perf_paths['eager']}, {perf_paths['patched']}")
     echo(f"compare   exactdit compare {perf_paths['eager']} {perf_paths['patched']}")
 
     summary = {

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import _api, ab, metrics, perf
-from .demo import HarnessError, default_dtype, resolve_device
+from .demo import HarnessError, default_dtype, no_gpu_note, resolve_device
 from .sampling import synchronize
 from .tiny import dtype_from_name
 
@@ -44,13 +44,13 @@ def validate_model_dir(path: str | Path) -> dict:
     index_path = p / "model_index.json"
     if not index_path.is_file():
         raise ModelDirError(f"{p} is not a diffusers pipeline folder (no model_index.json)")
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelDirError(f"{index_path} is not valid JSON: {exc}") from None
+    index = _read_json_object(index_path)
     cls = index.get("_class_name")
+    expected = ", ".join(PIPELINE_CLASSES)
+    if not cls:
+        raise ModelDirError(f"{index_path} names no pipeline class (_class_name); expected {expected}")
     if cls not in PIPELINE_CLASSES:
-        raise ModelDirError(f"{p} holds a {cls or 'unknown'} pipeline; expected {', '.join(PIPELINE_CLASSES)}")
+        raise ModelDirError(f"{p} holds a {cls} pipeline; expected {expected}")
     missing: list[str] = []
     for comp, (cfg_file, needs_weights) in REQUIRED.items():
         entry = index.get(comp)
@@ -70,6 +70,37 @@ def validate_model_dir(path: str | Path) -> dict:
     if missing:
         raise ModelDirError(f"incomplete model folder {p}: missing " + ", ".join(missing))
     return index
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``, or a one-line ModelDirError saying what is wrong with the file."""
+    try:
+        obj = json.loads(path.read_text())
+    except UnicodeDecodeError:  # a binary file under a .json name
+        raise ModelDirError(f"{path} is not valid JSON (not UTF-8 text)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ModelDirError(f"{path} must hold a JSON object, not a {type(obj).__name__}")
+    return obj
+
+
+def size_multiple(model_path: str | Path) -> int:
+    """What height and width must be multiples of: the pipeline's ``vae_scale_factor``, worked out
+    from vae/config.json as ErnieImagePipeline does (2 ** len(block_out_channels)), so that a bad
+    size is refused before the slow load."""
+    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
+    channels = _read_json_object(cfg_path).get("block_out_channels")
+    if not isinstance(channels, list) or not channels:
+        raise ModelDirError(f"{cfg_path} has no block_out_channels list")
+    return 2 ** len(channels)
+
+
+def check_size(opts: GenerateOptions) -> None:
+    multiple = size_multiple(opts.model_path)
+    if opts.height % multiple or opts.width % multiple:
+        raise HarnessError(f"--height and --width must be multiples of {multiple} for this model "
+                           f"(got {opts.height}x{opts.width})")
 
 
 @dataclass
@@ -173,7 +204,9 @@ def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, ste
 
 def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
     """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
-    validate_model_dir(opts.model_path)
+    # every check of the arguments comes before the (slow) pipeline load
+    index = validate_model_dir(opts.model_path)
+    check_size(opts)
     ex = _api.api()
     device = resolve_device(opts.device)
     dtname = opts.dtype or default_dtype(device)
@@ -182,20 +215,17 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if opts.use_pe and index.get("pe") in (None, [None, None]):
+        echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
+
     t0 = time.perf_counter()
     pipe = load_pipeline(opts.model_path, dtype, device)
     load_s = time.perf_counter() - t0
-    vsf = getattr(pipe, "vae_scale_factor", 16)
-    if opts.height % vsf or opts.width % vsf:
-        raise HarnessError(f"--height and --width must be multiples of {vsf} for this model "
-                           f"(got {opts.height}x{opts.width})")
-    if opts.use_pe and getattr(pipe, "pe", None) is None:
-        echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
     echo(f"exactdit generate: {opts.model_path} on {device.type} ({perf.device_info(device).get('name')}), "
          f"{dtname}, {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.guidance_scale:g}, seed {opts.seed}"
          f", loaded in {load_s:.1f}s")
     if device.type != "cuda":
-        echo("NOTE: no CUDA GPU: the fused Triton path needs a CUDA GPU; the patched run falls back to eager.")
+        echo("NOTE: " + no_gpu_note())
 
     args = {k: v for k, v in vars(opts).items()}
     args.update(device=str(device), dtype=dtname, warmup=warm, load_s=load_s)

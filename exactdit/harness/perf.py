@@ -200,21 +200,69 @@ def load_record(path: str | Path) -> dict:
         rec = json.loads(path.read_text())
     except FileNotFoundError:
         raise PerfFileError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PerfFileError(f"{path}: is a folder, not a perf JSON file") from None
+    except UnicodeDecodeError:  # e.g. a PNG given by mistake
+        raise PerfFileError(f"{path}: not a JSON file (not UTF-8 text)") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise PerfFileError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("timings"), dict) or "total_s" not in rec["timings"]:
-        raise PerfFileError(f"{path}: not an exactdit perf JSON (no timings.total_s)")
+    problem = schema_problem(rec)
+    if problem is not None:
+        raise PerfFileError(f"{path}: not an exactdit perf JSON ({problem})")
     return rec
 
 
+def _show(v) -> str:
+    """A value as JSON, cut short so the error stays on one line."""
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def schema_problem(rec) -> str | None:
+    """The first way ``rec`` breaks the perf JSON schema in a field ``compare`` reads, or None.
+    The one check for every record, so a bad value is refused with its name instead of shown as "–"."""
+    if not isinstance(rec, dict):
+        return f"holds a JSON {type(rec).__name__}, not an object"
+    if rec.get("schema", SCHEMA) != SCHEMA:
+        return f"schema {_show(rec['schema'])}, expected {SCHEMA}"
+    t = rec.get("timings")
+    if not isinstance(t, dict):
+        return "no timings object"
+    total = t.get("total_s")
+    if not _is_num(total) or total <= 0:
+        return f"timings.total_s must be a positive number of seconds, got {_show(total)}"
+    stages = t.get("stages")
+    if stages is not None and not isinstance(stages, dict):
+        return f"timings.stages must be an object, got {_show(stages)}"
+    for name, v in (stages or {}).items():
+        if v is not None and not (_is_num(v) and v >= 0):
+            return f"timings.stages.{name} must be null or a number of seconds >= 0, got {_show(v)}"
+    steps = t.get("steps_s")
+    if steps is not None and not (isinstance(steps, list) and all(_is_num(x) and x >= 0 for x in steps)):
+        return f"timings.steps_s must be a list of seconds >= 0, got {_show(steps)}"
+    mem = rec.get("peak_gpu_memory_bytes")
+    if mem is not None and not (_is_num(mem) and mem >= 0):
+        return f"peak_gpu_memory_bytes must be null or a number >= 0, got {_show(mem)}"
+    if rec.get("label") is not None and not isinstance(rec["label"], str):
+        return f"label must be a string, got {_show(rec['label'])}"
+    if rec.get("device") is not None and not isinstance(rec["device"], dict):
+        return f"device must be an object, got {_show(rec['device'])}"
+    return None
+
+
 def _num(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return float(v) if v is not None else None
 
 
 def metrics_of(rec: dict) -> dict[str, float | None]:
-    t = rec.get("timings", {})
+    # ``rec`` passed schema_problem: every value read here is null, absent or a number
+    t = rec["timings"]
     stages = t.get("stages") or {}
-    steps = [float(x) for x in (t.get("steps_s") or []) if _num(x) is not None]
+    steps = [float(x) for x in t.get("steps_s") or []]
     mem = _num(rec.get("peak_gpu_memory_bytes"))
     return {
         "end-to-end (s)": _num(t.get("total_s")),
@@ -260,7 +308,7 @@ def compare(paths: Iterable[str | Path]) -> str:
         base = cols[0][key]
         cells = [_cell(base, None)] + [_cell(c[key], base) for c in cols[1:]]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    devs = {r.get("device", {}).get("name") for r in recs}
+    devs = {(r.get("device") or {}).get("name") for r in recs}
     notes = []
     if len(devs) > 1:
         notes.append("note: the runs are on different devices: " + ", ".join(sorted(str(d) for d in devs)))

@@ -139,10 +139,10 @@ def _launch(x, weight, eps, out, **kw):
 # rms_norm -----------------------------------------------------------------------------------
 
 
-def _rn_validate(x, weight, eps):
-    require_tensors("rms_norm", x=x)
+def _rn_validate(x, weight, eps, op="rms_norm"):
+    require_tensors(op, x=x)
     if weight is not None:
-        require_tensors("rms_norm", weight=weight)
+        require_tensors(op, weight=weight)
 
 
 def _rn_unsupported(x, weight, eps):
@@ -176,12 +176,13 @@ def _rnm_reference(x, weight, eps, scale, shift, upcast):
     return references.rms_norm_modulate(x, weight, eps, scale, shift, upcast=upcast)
 
 
-def _rnm_validate(x, weight, eps, scale, shift, upcast):
-    _rn_validate(x, weight, eps)
-    require_tensors("rms_norm_modulate", scale=scale)
+def _rnm_validate(x, weight, eps, scale, shift, upcast, op="rms_norm_modulate"):
+    # ``op``: the public op the caller called, so its messages name it
+    _rn_validate(x, weight, eps, op)
+    require_tensors(op, scale=scale)
     if shift is not None:
-        require_tensors("rms_norm_modulate", shift=shift)
-    require_broadcast("rms_norm_modulate", x.shape, scale=scale, shift=shift)
+        require_tensors(op, shift=shift)
+    require_broadcast(op, x.shape, scale=scale, shift=shift)
 
 
 def _rnm_unsupported(x, weight, eps, scale, shift, upcast):
@@ -224,7 +225,7 @@ def _grnm_reference(residual, update, gate, weight, eps, scale, shift, upcast):
 
 def _grnm_validate(residual, update, gate, weight, eps, scale, shift, upcast):
     require_gated_residual("gated_rms_norm_modulate", residual, update, gate)
-    _rnm_validate(residual, weight, eps, scale, shift, upcast)
+    _rnm_validate(residual, weight, eps, scale, shift, upcast, "gated_rms_norm_modulate")
 
 
 def _grnm_unsupported(residual, update, gate, weight, eps, scale, shift, upcast):

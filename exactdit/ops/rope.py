@@ -63,13 +63,14 @@ def _norm_support(x: torch.Tensor, weight: torch.Tensor | None, name: str) -> st
     return None
 
 
-def _validate_norm(x, weight, name):
-    require_tensors("head_rms_norm", **{name: x})
+def _validate_norm(x, weight, name, op="head_rms_norm", weight_name="weight"):
+    # ``op`` / ``weight_name``: what the caller called and passed, so the message names them
+    require_tensors(op, **{name: x})
     if weight is not None:
-        require_tensors("head_rms_norm", weight=weight)
+        require_tensors(op, **{weight_name: weight})
         if tuple(weight.shape) != (x.shape[-1],):
             raise ValueError(
-                f"exactdit.ops.head_rms_norm: weight of shape {tuple(weight.shape)} does not match "
+                f"exactdit.ops.{op}: {weight_name} of shape {tuple(weight.shape)} does not match "
                 f"{name}'s last dim {x.shape[-1]}"
             )
 
@@ -107,14 +108,14 @@ def _rope_support(x: torch.Tensor, freqs) -> str | None:
     return None
 
 
-def _rope_validate(x, freqs):
-    require_tensors("rope", x=x)
+def _rope_validate(x, freqs, op="rope"):
+    require_tensors(op, x=x)
     if isinstance(freqs, tuple):
         if len(freqs) != 2:
-            raise ValueError("exactdit.ops.rope: freqs must be the angle tensor or a (cos, sin) pair")
-        require_tensors("rope", cos=freqs[0], sin=freqs[1])
+            raise ValueError(f"exactdit.ops.{op}: freqs must be the angle tensor or a (cos, sin) pair")
+        require_tensors(op, cos=freqs[0], sin=freqs[1])
     else:
-        require_tensors("rope", freqs=freqs)
+        require_tensors(op, freqs=freqs)
 
 
 def _table_layout(x, freqs):
@@ -196,9 +197,9 @@ ROPE = FusedOp(
 
 
 def _qk_validate(q, k, norm_q_weight, norm_k_weight, eps, freqs):
-    _validate_norm(q, norm_q_weight, "q")
-    _validate_norm(k, norm_k_weight, "k")
-    _rope_validate(q, freqs)
+    _validate_norm(q, norm_q_weight, "q", "qk_norm_rope", "norm_q_weight")
+    _validate_norm(k, norm_k_weight, "k", "qk_norm_rope", "norm_k_weight")
+    _rope_validate(q, freqs, "qk_norm_rope")
 
 
 def _qk_unsupported(q, k, norm_q_weight, norm_k_weight, eps, freqs):

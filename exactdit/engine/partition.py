@@ -211,10 +211,11 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
         if len(kinds) > 1:
             return None, set(reductions[1:]), None
         kind = kinds.pop()
-        domain = shape_of(g.split_cat) if g.split_cat is not None else shape_of(reductions[0].args[0])
+        anchor = g.split_cat if g.split_cat is not None else reductions[0].args[0]
     else:
         kind = "pointwise"
-        domain = max((shape_of(n) for n in outputs), key=math.prod)
+        anchor = max(outputs, key=lambda n: math.prod(shape_of(n)))
+    domain = shape_of(anchor)
     numel = math.prod(domain)
     wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel}
     if wrong_size:
@@ -222,7 +223,7 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     n_kernels = sum(1 for n in g.nodes if _is_compute(n))
     if n_kernels < 2:
         return None, set(), "replaces a single kernel"
-    region = Region(name, kind, list(g.nodes), [], outputs, tuple(domain), reductions)
+    region = Region(name, kind, list(g.nodes), [], outputs, tuple(domain), reductions, anchor)
     region.tables = [n for n in g.nodes if rule_for(n) is not None and rule_for(n).kind == "table"]
     region.launches = _launches(kind, members, domain, g.split_cat)
     try:

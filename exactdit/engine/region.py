@@ -46,6 +46,8 @@ class Region:
     outputs: list[fx.Node]
     domain: tuple[int, ...]
     reductions: list[fx.Node] = dataclasses.field(default_factory=list)
+    #: the node of the domain's shape that domain positions index (outputs follow it)
+    anchor: fx.Node | None = None
     tables: list[fx.Node] = dataclasses.field(default_factory=list)
     launches: list[Launch] = dataclasses.field(default_factory=list)
 

@@ -106,10 +106,90 @@ def _row_atoms(code: Code, rows: str, shape: tuple[int, ...]) -> list[Ix]:
     return atoms
 
 
+def output_index(region: Region, out: fx.Node, index: Index) -> Index:
+    """The index of ``out`` whose element this domain position computes. Where ``out`` is
+    reached through same-sized ops from a value the domain indexes directly (the anchor, or
+    what the anchor is computed from elementwise), the index follows those ops (a permuted copy
+    gets the permuted index, so a reduction's outputs stay on their rows); otherwise the
+    element of the same row-major rank."""
+    path = _path(_coindexed(region.anchor, set(region.nodes)), out, set(region.nodes))
+    if path is None:
+        return reshape_index(index, region.domain, shape_of(out))
+    for node in path:
+        index = _forward(node, index)
+    return index
+
+
+def _coindexed(anchor: fx.Node, members: set) -> set[fx.Node]:
+    """``anchor`` and the values it is computed from elementwise at the same index."""
+    shape = shape_of(anchor)
+    found, todo = set(), [anchor]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        found.add(node)
+        if node in members and _forward_kind(node) == "same":
+            todo.extend(a for a in node.all_input_nodes
+                        if isinstance(a.meta.get("val"), torch.Tensor) and tuple(a.meta["val"].shape) == shape)
+    return found
+
+
+def _path(starts: set[fx.Node], out: fx.Node, members: set) -> list[fx.Node] | None:
+    """Nodes from just after one of ``starts`` to ``out``, each computed from the previous one
+    by an op of :func:`_forward` (same element count), or None."""
+    numel = math.prod(shape_of(out))
+    todo, seen = [(out, [])], set()
+    while todo:
+        node, after = todo.pop()
+        if node in starts:
+            return after
+        if node in seen or node not in members or _forward_kind(node) is None:
+            continue
+        seen.add(node)
+        for a in node.all_input_nodes:
+            if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].numel() == numel:
+                todo.append((a, [node] + after))
+    return None
+
+
+def _forward_kind(node: fx.Node) -> str | None:
+    from exactdit.engine.aten_ops import POINTWISE, UNARY_TABLE, rule_for
+
+    if node.target in (aten.permute.default, aten.t.default, aten.transpose.int):
+        return "permute"
+    if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims):
+        return "reshape"
+    rule = rule_for(node)
+    if rule is not None and rule.kind in (POINTWISE, UNARY_TABLE):
+        return "same"
+    return None
+
+
+def _forward(node: fx.Node, index: Index) -> Index:
+    """The index of ``node``'s output element computed from its input element at ``index``."""
+    kind = _forward_kind(node)
+    if kind == "same":
+        return index
+    in_shape = shape_of(node.args[0])
+    if kind == "reshape":
+        return reshape_index(index, in_shape, shape_of(node))
+    if node.target is aten.permute.default:
+        dims = [d % len(index) for d in node.args[1]]
+    elif node.target is aten.t.default:
+        dims = list(reversed(range(len(index))))
+    else:
+        a, b = (d % len(index) for d in node.args[1:3])
+        dims = list(range(len(index)))
+        dims[a], dims[b] = dims[b], dims[a]
+    return tuple(index[d] for d in dims)
+
+
 def _store_outputs(em: Emitter, region: Region, launch: Launch, index: Index, outs: list[Operand]) -> None:
     full = launch.full_index(index)
     for node, op in zip(region.outputs, outs):
-        out_index = reshape_index(full, region.domain, shape_of(node))
+        out_index = output_index(region, node, full)
         em.store(op, out_index, em.value(node, out_index))
 
 
@@ -297,7 +377,7 @@ class _Reduction:
         full = self.launch.full_index(index)
         for k in self.early:
             node = self.region.outputs[k]
-            out_index = reshape_index(full, self.region.domain, shape_of(node))
+            out_index = output_index(self.region, node, full)
             em.store(self.outs[k], out_index, em.value(node, out_index))
         x = em.value(self.x, index)
         return em.widen(em.broadcast(x, 2))
@@ -307,7 +387,7 @@ class _Reduction:
         for k, node in enumerate(self.region.outputs):
             if k in self.early:
                 continue
-            out_index = reshape_index(full, self.region.domain, shape_of(node))
+            out_index = output_index(self.region, node, full)
             em.store(self.outs[k], out_index, em.value(node, out_index))
 
     def stored(self) -> dict[fx.Node, Operand]:

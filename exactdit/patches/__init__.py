@@ -1,53 +1,72 @@
-"""Model patches: ``exactdit.patch(obj)`` swaps the forwards of a diffusers pipeline's transformer
-(or a bare transformer) for ones that call exactdit's fused ops and compute exactly what
-diffusers computes; ``exactdit.unpatch(obj)`` restores diffusers' forwards.
+"""Model patches: ``exactdit.patch(obj)`` makes a diffusers pipeline's transformer (or a bare
+transformer) compute through exactdit's fused kernels, with exactly the bits diffusers computes;
+``exactdit.unpatch(obj)`` restores diffusers' behaviour.
 
-Supported: ``ErnieImageTransformer2DModel`` (:mod:`exactdit.patches.ernie_image`).
+Any transformer with repeated blocks goes through the engine (:mod:`exactdit.patches.engine`):
+its blocks are captured once per class and their ATen graphs rewritten. ERNIE-Image also has a
+hand-written mirror of its forwards (:mod:`exactdit.patches.ernie_image`, ``mirror=True``),
+pinned to the diffusers source it was written against.
 """
 
 from __future__ import annotations
 
 import warnings
 
+from exactdit.patches import engine
 
-def _transformer(obj):
+
+def _transformer(obj, caller: str = "patch"):
     """The transformer of a pipeline (anything with ``.transformer``), of a torch.compile
     wrapper, or ``obj`` itself."""
+    import torch
+
     model = getattr(obj, "transformer", None)
     model = obj if model is None else model
-    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"exactdit.{caller}: expected a diffusers pipeline or transformer, got {type(obj).__name__}"
+        )
+    return model
 
 
-def _patcher(model):
+def _mirror(model, caller: str):
     from diffusers.models.transformers.transformer_ernie_image import ErnieImageTransformer2DModel
 
     if isinstance(model, ErnieImageTransformer2DModel):
         from exactdit.patches import ernie_image
 
         return ernie_image
-    raise TypeError(
-        f"exactdit.patch: no patch for {type(model).__name__} (supported: ErnieImageTransformer2DModel, or a "
-        "pipeline whose .transformer is one)"
-    )
+    raise TypeError(f"exactdit.{caller}: no hand-written mirror for {type(model).__name__} (only ERNIE-Image has one)")
 
 
-def patch(obj) -> dict:
+def patch(obj, *, mirror: bool = False) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
-    ``{"patched": True, "blocks": 36, "attention_processors": 36, "final_norm": 1,
-    "transformer_forward": 1}``, or ``{"patched": False, "reason": ...}`` (with a warning) when
-    the model cannot be patched exactly; then it is left untouched and runs diffusers' code."""
+    ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
+    ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
+    model then runs diffusers' code. ``mirror=True``: ERNIE-Image's hand-written forwards."""
     model = _transformer(obj)
-    summary = _patcher(model).patch_transformer(model)
+    if mirror:
+        summary = _mirror(model, "patch").patch_transformer(model)
+    else:
+        summary = engine.patch_transformer(model)
     if not summary["patched"]:
         warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=2)
     return summary
 
 
 def unpatch(obj) -> dict:
-    """Restore diffusers' forwards on ``obj`` (a pipeline or a transformer). Returns what was
-    restored (zeros when nothing was patched)."""
-    model = _transformer(obj)
-    return _patcher(model).unpatch_transformer(model)
+    """Restore diffusers' behaviour on ``obj`` (a pipeline or a transformer). Returns what was
+    restored (nothing when nothing was patched)."""
+    model = _transformer(obj, "unpatch")
+    restored = engine.unpatch_transformer(model)
+    if _has_mirror(model):
+        restored["mirror"] = _mirror(model, "unpatch").unpatch_transformer(model)
+    return restored
+
+
+def _has_mirror(model) -> bool:
+    return any("_exactdit_original" in m.__dict__ for m in model.modules())
 
 
 __all__ = ["patch", "unpatch"]

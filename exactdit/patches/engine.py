@@ -1,0 +1,126 @@
+"""``exactdit.patch`` for any diffusers transformer: its repeated blocks run through the engine.
+
+diffusers lists each transformer's repeated block classes in ``_repeated_blocks`` (what its
+own ``compile_repeated_blocks`` compiles). Each such block, and the final-norm modules listed in
+:data:`EXTRA_MODULES`, gets a compiled call through the ``exactdit`` backend: Dynamo captures
+the block class once (all instances share the graph), the engine rewrites it, and the block
+runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
+``module._compiled_call_impl`` is set (as ``nn.Module.compile`` does), and ``unpatch`` clears it.
+
+A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs diffusers'
+code; the reason is warned once per class and counted in ``exactdit.report()``. With autograd
+recording the blocks run diffusers' code as well (the fused kernels have no backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import warnings
+
+import torch
+
+from exactdit import gate
+
+logger = logging.getLogger("exactdit")
+
+#: modules compiled besides the repeated blocks, by transformer class name: the final
+#: AdaLN norms, one LayerNorm + modulation each
+EXTRA_MODULES = {
+    "ErnieImageTransformer2DModel": ("ErnieImageAdaLNContinuous",),
+    "FluxTransformer2DModel": ("AdaLayerNormContinuous",),
+    "ChromaTransformer2DModel": ("ChromaAdaLayerNormContinuousPruned",),
+    "QwenImageTransformer2DModel": ("AdaLayerNormContinuous",),
+    "WanTransformer3DModel": (),
+    "ZImageTransformer2DModel": (),
+}
+
+
+@dataclasses.dataclass
+class _ClassState:
+    """Shared by every instance of one block class."""
+
+    label: str
+    #: one backend object per class: Dynamo reuses a captured graph only for the same backend
+    backend: object = None
+    failed: str | None = None
+
+
+_states: dict[str, _ClassState] = {}
+_lock = threading.Lock()
+
+
+class EngineCall:
+    """A module's compiled call (set as ``_compiled_call_impl``), falling back to the module's
+    own call where the engine cannot run."""
+
+    def __init__(self, module: torch.nn.Module, label: str):
+        from exactdit.engine import make_backend
+
+        self.module = module
+        with _lock:
+            self.state = _states.setdefault(label, _ClassState(label, make_backend(label)))
+        self.compiled = torch.compile(module._call_impl, backend=self.state.backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args, **kwargs):
+        module, state = self.module, self.state
+        if state.failed is not None:
+            gate.count_eager(f"engine.{state.label}", state.failed)
+            return module._call_impl(*args, **kwargs)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+            gate.count_eager(f"engine.{state.label}", "autograd is recording (fused kernels have no backward)")
+            return module._call_impl(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
+            out = module._call_impl(*args, **kwargs)  # eager's own error, if the call is wrong
+            state.failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
+            message = f"exactdit: {state.label} runs diffusers' code: {state.failed}"
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            gate.count_eager(f"engine.{state.label}", state.failed)
+            return out
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def targets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(class name, module) of every module the engine compiles in ``model``."""
+    names = set(getattr(model, "_repeated_blocks", None) or ()) | set(EXTRA_MODULES.get(type(model).__name__, ()))
+    return [(type(m).__name__, m) for m in model.modules() if type(m).__name__ in names]
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    if not getattr(model, "_repeated_blocks", None):
+        return f"{type(model).__name__} lists no repeated blocks (_repeated_blocks)"
+    return None
+
+
+def patch_transformer(model: torch.nn.Module) -> dict:
+    reason = why_not(model)
+    if reason is not None:
+        return {"patched": False, "reason": reason}
+    counts: dict[str, int] = {}
+    model_name = type(model).__name__
+    for cls, module in targets(model):
+        if not isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
+            module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}")
+        counts[cls] = counts.get(cls, 0) + 1
+    return {"patched": True, "engine": True, "modules": counts}
+
+
+def unpatch_transformer(model: torch.nn.Module) -> dict:
+    counts: dict[str, int] = {}
+    for cls, module in targets(model):
+        if isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
+            module._compiled_call_impl = None
+            counts[cls] = counts.get(cls, 0) + 1
+    return {"restored": counts}
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return any(isinstance(getattr(m, "_compiled_call_impl", None), EngineCall) for _, m in targets(model))

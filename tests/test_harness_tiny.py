@@ -99,3 +99,20 @@ def test_cli_offers_every_embedded_config():
     from exactdit.cli import CONFIG_CHOICES
 
     assert set(CONFIG_CHOICES) == set(CONFIGS)
+
+
+def test_configs_are_the_registry_configs():
+    from exactdit.harness import models
+
+    spec = models.get_spec("ernie")
+    assert {name: cfg["model"] for name, cfg in CONFIGS.items()} == {n: spec.config(n) for n in CONFIGS}
+
+
+def test_tiny_pipeline_keeps_its_small_vae():
+    from exactdit.harness.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline(seed=0)
+    assert pipe.vae_scale_factor == 4 and pipe.transformer.config.in_channels == 16
+    out = pipe(prompt="a red cat", num_inference_steps=1, height=16, width=16, output_type="latent",
+               generator=torch.Generator("cpu").manual_seed(0)).images
+    assert out.shape == (1, 16, 4, 4) and torch.isfinite(out).all()

@@ -1,0 +1,124 @@
+"""ERNIE-Image: ErnieImageTransformer2DModel / ErnieImagePipeline."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from . import components as C
+from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
+
+# "full" is the released ERNIE-Image / ERNIE-Image-Turbo transformer (about 8B parameters: hidden 4096,
+# 32 heads of 128, 36 layers, 3072-d Mistral3 text features); "small" keeps the per-head shapes (head_dim
+# 128, RoPE axes 32/48/48, 128 latent channels, 3072-d text) with fewer, narrower layers.
+CONFIGS = {
+    "tiny": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_layers=2,
+        ffn_hidden_size=176,
+        in_channels=128,
+        out_channels=128,
+        patch_size=1,
+        text_in_dim=96,
+        rope_theta=256,
+        rope_axes_dim=(4, 6, 6),
+    ),
+    # diffusers' own model tests (tests/models/transformers/test_models_transformer_ernie_image.py):
+    # one layer, one 16-wide head
+    "diffusers_test": dict(
+        hidden_size=16,
+        num_attention_heads=1,
+        num_layers=1,
+        ffn_hidden_size=16,
+        in_channels=16,
+        out_channels=16,
+        patch_size=1,
+        text_in_dim=16,
+        rope_theta=256,
+        rope_axes_dim=(8, 4, 4),
+        eps=1e-6,
+        qk_layernorm=True,
+    ),
+    "small": dict(
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_layers=4,
+        ffn_hidden_size=3072,
+        in_channels=128,
+        out_channels=128,
+        patch_size=1,
+        text_in_dim=3072,
+        rope_theta=256,
+        rope_axes_dim=(32, 48, 48),
+    ),
+    "full": dict(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_layers=36,
+        ffn_hidden_size=12288,
+        in_channels=128,
+        out_channels=128,
+        patch_size=1,
+        text_in_dim=3072,
+        rope_theta=256,
+        rope_axes_dim=(32, 48, 48),
+    ),
+}
+
+#: The production VAE (Flux2 layout) has 4 levels: the pipeline's scale factor 2**4 = 16 pixels per
+#: latent cell (8x VAE, then 2x2 patchified latents).
+PRODUCTION_VAE_CHANNELS = (8, 8, 8, 8)
+
+
+def ernie_components(config: Mapping[str, Any], *, seed: int, dtype, device,
+                     vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
+    tokenizer = C.build_tiny_tokenizer()
+    return dict(
+        tokenizer=tokenizer,
+        text_encoder=C.mistral3_text_encoder(config["text_in_dim"], tokenizer, seed=seed + C.SEED_TEXT,
+                                             dtype=dtype, device=device),
+        # the transformer sees 2x2-patchified VAE latents
+        vae=C.autoencoder_kl_flux2(config["in_channels"] // 4, seed=seed + C.SEED_VAE, dtype=dtype,
+                                   device=device, block_out_channels=vae_channels),
+        scheduler=C.flow_match_scheduler(),
+    )
+
+
+def build_components(req: ComponentRequest) -> dict:
+    return ernie_components(req.config, seed=req.seed, dtype=req.dtype, device=req.device)
+
+
+def forward_inputs(req: ForwardRequest) -> dict:
+    """[uncond.., cond..] rows in one call with CFG; latents [B, C, H/16, W/16]; text features of each
+    row padded with zeros to the longest, ``text_lens`` masking the padding; timestep in the model dtype."""
+    from ..sampling import forward_inputs as ernie_forward_inputs
+
+    kw = ernie_forward_inputs(
+        req.transformer,
+        latent_hw=(req.height // 16, req.width // 16),
+        text_lens=req.text_lens,
+        seed=req.seed,
+        sigma=req.sigma,
+        device=req.device,
+    )
+    for k in ("hidden_states", "timestep", "text_bth"):
+        kw[k] = kw[k].to(req.dtype)
+    return kw
+
+
+ERNIE = register(ModelSpec(
+    name="ernie",
+    description="ERNIE-Image (8B single-stream DiT, Mistral3 text features, Flux2 VAE)",
+    transformer_class="ErnieImageTransformer2DModel",
+    pipeline_class="ErnieImagePipeline",
+    configs=frozen(CONFIGS),
+    # ErnieImagePipeline's defaults; CFG batches [uncond, cond]; the empty negative prompt is one
+    # token (BOS) with the Mistral tokenizer (assumed, not checked against the released tokenizer).
+    production=Production(height=1024, width=1024, steps=50, guidance_scale=4.0, max_text_len=1024,
+                          prompt_len=128, negative_prompt_len=1, cfg_rows="uncond,cond"),
+    pixel_multiple=16,
+    build_components=build_components,
+    forward_inputs=forward_inputs,
+    unconfirmed=("negative_prompt_len=1 (BOS of the empty negative prompt)",
+                 "max_text_len: the pipeline truncates only at the tokenizer's model_max_length"),
+))

@@ -1,0 +1,114 @@
+"""Wan 2.1 text-to-video: WanTransformer3DModel / WanPipeline.
+
+The pipeline draws float32 latents [B, 16, (F-1)/4+1, H/8, W/8] and casts them to the transformer's
+dtype, pads UMT5 features with zeros to ``max_sequence_length`` (512), runs CFG as two calls, and
+passes the scheduler's timestep as is (int64 with the released UniPC flow scheduler). This class
+keeps ``_keep_in_fp32_modules`` (RoPE, time embedder, modulation tables, norms) in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import components as C
+from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
+
+_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=256, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6)
+
+CONFIGS_14B = {
+    "tiny": dict(_COMMON, num_attention_heads=2, attention_head_dim=16, text_dim=32, ffn_dim=64, num_layers=2),
+    # diffusers' model tests (tests/models/transformers/test_models_transformer_wan.py)
+    "diffusers_test": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ),
+    # production head_dim 128 / 4096-d text, 8 heads (dim 1024), 4 blocks
+    "small": dict(_COMMON, num_attention_heads=8, attention_head_dim=128, text_dim=4096, ffn_dim=3072, num_layers=4),
+    # Wan2.1-T2V-14B: dim 5120 (40 heads of 128), FFN 13824, 40 blocks, UMT5-XXL text 4096-d
+    "full": dict(_COMMON, num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824,
+                 num_layers=40),
+}
+
+# Wan2.1-T2V-1.3B: dim 1536 (12 heads of 128), FFN 8960, 30 blocks; the small test configs are shared.
+CONFIGS_1_3B = dict(CONFIGS_14B, full=dict(_COMMON, num_attention_heads=12, attention_head_dim=128,
+                                           text_dim=4096, ffn_dim=8960, num_layers=30))
+
+
+def _components(req: ComponentRequest, flow_shift: float) -> dict:
+    from diffusers import UniPCMultistepScheduler
+
+    tokenizer = C.build_word_tokenizer(model_max_length=512, add_eos=True)
+    return dict(
+        tokenizer=tokenizer,
+        text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, seed=req.seed + C.SEED_TEXT,
+                                  dtype=req.dtype, device=req.device),
+        vae=C.autoencoder_kl_wan(req.config["in_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
+                                 device=req.device),
+        # the released checkpoints' flow-matching UniPC solver
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                          num_train_timesteps=1000, flow_shift=flow_shift),
+    )
+
+
+def forward_inputs(req: ForwardRequest) -> dict:
+    """hidden_states [B, 16, (F-1)/4+1, H/8, W/8]; text [B, max_text_len, 4096] with each row's real
+    tokens then zeros; timestep int64 ``round(1000 * sigma)``."""
+    cfg = req.transformer.config
+    gen = req.generator()
+    frames = (req.num_frames - 1) // 4 + 1
+    latents = req.randn(gen, req.batch, cfg.in_channels, frames, req.height // 8, req.width // 8)
+    text = req.randn(gen, req.batch, req.max_text_len, cfg.text_dim)
+    for i, n in enumerate(req.text_lens):
+        text[i, n:] = 0
+    return dict(
+        hidden_states=latents,
+        timestep=torch.full((req.batch,), round(1000 * req.sigma), dtype=torch.int64, device=req.device),
+        encoder_hidden_states=text,
+        attention_kwargs=None,
+    )
+
+
+# dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)
+_UNCONFIRMED = (
+    "full: rope_max_seq_len and the diffusers-only keys are WanTransformer3DModel's class defaults",
+    "production flow_shift 5.0 (720p) / 3.0 (480p), 50 steps, guidance 5.0 as in the diffusers docs' example",
+)
+
+WAN = register(ModelSpec(
+    name="wan",
+    description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
+    transformer_class="WanTransformer3DModel",
+    pipeline_class="WanPipeline",
+    configs=frozen(CONFIGS_14B),
+    production=Production(height=720, width=1280, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
+    pixel_multiple=16,
+    build_components=lambda req: _components(req, flow_shift=5.0),
+    forward_inputs=forward_inputs,
+    video=True,
+    unconfirmed=_UNCONFIRMED,
+))
+
+WAN_1_3B = register(ModelSpec(
+    name="wan-1.3b",
+    description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
+    transformer_class="WanTransformer3DModel",
+    pipeline_class="WanPipeline",
+    configs=frozen(CONFIGS_1_3B),
+    production=Production(height=480, width=832, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
+    pixel_multiple=16,
+    build_components=lambda req: _components(req, flow_shift=3.0),
+    forward_inputs=forward_inputs,
+    video=True,
+    unconfirmed=_UNCONFIRMED,
+))

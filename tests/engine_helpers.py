@@ -5,6 +5,7 @@ reductions can be held to CUDA's bits in Triton's interpreter."""
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx as fx
@@ -105,3 +106,42 @@ def trusted():
             del os.environ["EXACTDIT_TRUST"]
         else:
             os.environ["EXACTDIT_TRUST"] = old
+
+
+class GraphBuilder:
+    """Builds an ATen graph op by op from real CPU tensors (each node's ``meta["val"]`` is the
+    real result), for regions whose ops a CPU capture decomposes (``_fused_rms_norm``)."""
+
+    def __init__(self):
+        self.graph = fx.Graph()
+        self.inputs: list[torch.Tensor] = []
+
+    def input(self, t: torch.Tensor) -> fx.Node:
+        node = self.graph.placeholder(f"in{len(self.inputs)}")
+        node.meta["val"] = t
+        self.inputs.append(t)
+        return node
+
+    def op(self, target, *args, **kwargs) -> fx.Node | tuple[fx.Node, ...]:
+        def real(a):
+            if isinstance(a, fx.Node):
+                return a.meta["val"]
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(x) for x in a)
+            return a
+
+        value = target(*real(args), **{k: real(v) for k, v in kwargs.items()})
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta["val"] = value
+        if isinstance(value, (tuple, list)):
+            items = []
+            for k, v in enumerate(value):
+                item = self.graph.call_function(operator.getitem, (node, k))
+                item.meta["val"] = v
+                items.append(item)
+            return tuple(items)
+        return node
+
+    def module(self, *outputs: fx.Node) -> fx.GraphModule:
+        self.graph.output(tuple(outputs))
+        return fx.GraphModule(torch.nn.Module(), self.graph)

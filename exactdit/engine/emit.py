@@ -104,10 +104,10 @@ class Emitter:
         self.tile = tile
         self.members = members
         self.loads = loads
-        self.stored = stored or {}
-        self.stats = stats or {}
-        self.pieces = pieces or {}
-        self.tables = tables or {}
+        self.stored = {} if stored is None else stored
+        self.stats = {} if stats is None else stats  # shared with the template, filled between passes
+        self.pieces = {} if pieces is None else pieces
+        self.tables = {} if tables is None else tables
         self._memo: dict[tuple, Val] = {}
         self._guard: str | None = None
         self._guard_kind = SCALAR

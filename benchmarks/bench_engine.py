@@ -1,0 +1,125 @@
+"""One transformer forward through the engine against eager, the same run: equality and time.
+
+    python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
+        [--mirror] [--compile] [--repeat 10]
+
+Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``)
+on the GPU, times eager (CUDA-event median of ``--repeat`` forwards after warm-up), then
+``exactdit.patch`` (first call = capture + kernel compilation, wall clock), checks the output with
+``torch.equal`` against eager and times it the same way. ``--mirror``: also ERNIE-Image's
+hand-written patch. ``--compile``: also diffusers' regional torch.compile (Inductor; not exact).
+Prints a table and writes ``bench_engine_<model>.json`` (results rows, coverage) to ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import exactdit  # noqa: E402
+from benchmarks.common import environment, write_json  # noqa: E402
+from exactdit.engine import coverage  # noqa: E402
+from exactdit.harness import models  # noqa: E402
+
+
+def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        out = tr(**kw, return_dict=False)[0]
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = tr(**kw, return_dict=False)[0]
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times), out
+
+
+def first_call_s(tr, kw) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        tr(**kw, return_dict=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return all(same(x, y) for x, y in zip(a, b))
+    return bool(torch.equal(a, b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="flux")
+    ap.add_argument("--config", default="full")
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--frames", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--mirror", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    t = time.perf_counter()
+    tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device="cuda")
+    print(f"built {args.model}/{args.config} in {time.perf_counter() - t:.1f} s", flush=True)
+    kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
+                               batch=args.batch)
+    shape = f"{args.model}:{args.config} {args.height}x{args.width} B={args.batch}"
+    rows = []
+    eager_ms, ref = forward_ms(tr, kw, args.repeat)
+    rows.append(dict(path="eager", ms=eager_ms, equal=True))
+    print(f"eager {eager_ms:.2f} ms", flush=True)
+
+    summary = exactdit.patch(tr)
+    first = first_call_s(tr, kw)
+    ms, out = forward_ms(tr, kw, args.repeat)
+    rows.append(dict(path="exactdit", ms=ms, equal=same(out, ref), first_call_s=first))
+    print(f"exactdit {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {summary}", flush=True)
+    lines = [line for g in coverage.graphs() for line in g.lines()]
+    report = exactdit.report(show=False)
+    disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}
+    eager_calls = {k: v["eager_reasons"] for k, v in report.items() if v["eager"]}
+    print("\n".join(lines))
+    if disabled:
+        print("DISABLED", disabled)
+    if eager_calls:
+        print("EAGER", eager_calls)
+    exactdit.unpatch(tr)
+
+    if args.mirror:
+        exactdit.patch(tr, mirror=True)
+        first = first_call_s(tr, kw)
+        ms, out = forward_ms(tr, kw, args.repeat)
+        rows.append(dict(path="mirror", ms=ms, equal=same(out, ref), first_call_s=first))
+        print(f"mirror {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
+        exactdit.unpatch(tr)
+    if args.compile:
+        torch._dynamo.reset()
+        tr.compile_repeated_blocks(fullgraph=True)
+        first = first_call_s(tr, kw)
+        ms, out = forward_ms(tr, kw, args.repeat)
+        rows.append(dict(path="regional torch.compile", ms=ms, equal=same(out, ref), first_call_s=first))
+        print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
+    for r in rows:
+        r.update(model=shape, ratio_to_eager=eager_ms / r["ms"], **env)
+    print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")
+    write_json(f"bench_engine_{args.model}_{args.config}_b{args.batch}.json",
+               {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})
+
+
+if __name__ == "__main__":
+    main()

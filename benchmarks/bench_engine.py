@@ -52,6 +52,26 @@ def first_call_s(tr, kw) -> float:
     return time.perf_counter() - t
 
 
+def breakdown(forward) -> dict:
+    """Kernel time of one forward by kind (GEMM, attention, the engine's regions, other ATen),
+    idle gaps between kernels, and the median SM clock and board power while forwards run back to
+    back: where the floor of the forward lies."""
+    from benchmarks.profile_ernie import clocks_while, profile_once
+
+    with torch.no_grad():
+        prof = profile_once(forward)
+        clocks = clocks_while(forward, seconds=3.0)
+    by_kind = dict(prof["kernel_ms_by_kind"])
+    regions = sum(v for k, v in prof["kernel_ms_by_name"].items() if k.startswith("region_kernel"))
+    by_kind["other"] = by_kind.get("other", 0.0) - regions
+    by_kind["exactdit regions"] = regions
+    out = {"kernel_ms": prof["kernel_ms"], "idle_ms": prof["idle_ms"], "span_ms": prof["span_ms"],
+           "kernel_ms_by_kind": by_kind, "sm_mhz": clocks["sm_mhz"], "power_w": clocks["power_w"]}
+    print("breakdown", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()
+                        if k != "kernel_ms_by_kind"}, {k: round(v, 2) for k, v in by_kind.items()}, flush=True)
+    return out
+
+
 def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return all(same(x, y) for x, y in zip(a, b))
@@ -69,6 +89,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--mirror", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="kernel time by kind, idle gaps, SM clock, power")
     args = ap.parse_args()
     env = environment()
     t = time.perf_counter()
@@ -87,6 +108,8 @@ def main() -> None:
     ms, out = forward_ms(tr, kw, args.repeat)
     rows.append(dict(path="exactdit", ms=ms, equal=same(out, ref), first_call_s=first))
     print(f"exactdit {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {summary}", flush=True)
+    if args.breakdown:
+        rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
     lines = [line for g in coverage.graphs() for line in g.lines()]
     report = exactdit.report(show=False)
     disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}

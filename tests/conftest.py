@@ -33,3 +33,8 @@ def fresh_gate(monkeypatch):
     gate.reset()
     yield
     gate.reset()
+    from exactdit.engine import coverage
+    from exactdit.patches import engine
+
+    engine.reset()
+    coverage.reset()

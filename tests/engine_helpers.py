@@ -9,17 +9,18 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
 
 from exactdit.aten_norms import layer_norm_order_model, rms_norm_order_model
 from exactdit.aten_reduce import mean_lastdim_reference_order
+from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
 
 aten = torch.ops.aten
 
 
 def interpreter_rsqrt(x: torch.Tensor) -> torch.Tensor:
-    """What ``numerics.rsqrt_approx`` computes in Triton's interpreter: fl(1 / fl(sqrt(x)))."""
-    return torch.ones_like(x) / torch.sqrt(x)
+    """What ``numerics.rsqrt_approx`` computes in Triton's interpreter: the correctly rounded
+    ``1 / sqrt(x)`` (the GPU's ``rsqrt.approx`` cannot be reproduced on the CPU)."""
+    return (1.0 / torch.sqrt(x.double())).to(x.dtype)
 
 
 def _mean(x, dims, keepdim=False, dtype=None):
@@ -40,7 +41,15 @@ def _fused_rms(x, normalized, weight, eps=None):
     return rms_norm_order_model(x, weight, eps, rsqrt=interpreter_rsqrt, vectorized=True, return_rstd=True)
 
 
+def _div(a, b):
+    """CUDA divides by a Python number as a multiply by its fp32 reciprocal."""
+    if isinstance(b, (int, float)) and isinstance(a, torch.Tensor) and a.is_floating_point():
+        return a * (torch.ones((), dtype=torch.float32) / torch.tensor(float(b), dtype=torch.float32)).item()
+    return torch.div(a, b)
+
+
 CUDA_ORDER = {
+    aten.div.Tensor: _div,
     aten.mean.dim: _mean,
     aten.native_layer_norm.default: _layer_norm,
     aten._fused_rms_norm.default: _fused_rms,
@@ -56,32 +65,6 @@ class CudaOrderInterpreter(fx.Interpreter):
         if fn is not None:
             return fn(*args, **kwargs)
         return super().call_function(target, args, kwargs)
-
-
-def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[fx.GraphModule, list]]:
-    """The ATen inference graphs of ``model``'s repeated blocks and the real inputs of their first
-    call: [(graph module, inputs)]."""
-    captured: list = []
-
-    def compiler(gm, example_inputs):
-        entry = [gm, None]
-        captured.append(entry)
-
-        def run(*args):
-            if entry[1] is None:
-                entry[1] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            return gm(*args)
-
-        return run
-
-    torch._dynamo.reset()
-    model.compile_repeated_blocks(fullgraph=True, backend=aot_autograd(fw_compiler=compiler))
-    try:
-        with torch.no_grad():
-            model(**kwargs)
-    finally:
-        uncompile(model)
-    return [(gm, inputs) for gm, inputs in captured]
 
 
 def uncompile(model: torch.nn.Module) -> None:

@@ -30,7 +30,8 @@ def _equal(a, b) -> bool:
 @pytest.mark.parametrize("name", models.model_names())
 def test_tiny_model_equal_to_eager(name, dtype):
     tr = models.build_transformer(name, "tiny", dtype=dtype, device="cuda", seed=1)
-    kw = models.forward_inputs(name, tr, batch=2, seed=2)
+    video = dict(num_frames=5) if models.get_spec(name).video else {}
+    kw = models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128, **video)
     ref = _forward(tr, kw)
     try:
         exactdit.patch(tr)

@@ -74,7 +74,7 @@ def test_patched_output_equals_eager(dtype, B):
     model = tiny_model(dtype)
     kw = inputs(B, dtype)
     ref = run(model, kw)
-    summary = exactdit.patch(model)
+    summary = exactdit.patch(model, mirror=True)
     assert summary == {
         "patched": True,
         "already_patched": False,
@@ -110,7 +110,7 @@ def test_every_block_output_matches_eager_bits_and_layout(dtype):
         return seen
 
     ref = capture()
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     out = capture()
     assert len(out) == len(ref) == 3
     for i, (o, r) in enumerate(zip(out, ref)):
@@ -122,7 +122,7 @@ def test_partial_rotary_and_single_text_token():
     model = tiny_model(torch.bfloat16, rope_axes_dim=(4, 8, 8))
     kw = inputs(2, torch.bfloat16, H=2, W=3, text_lens=(1, 1))
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     assert_bits_equal(run(model, kw), ref)
 
 
@@ -132,7 +132,7 @@ def test_structure_state_dict_and_processors_unchanged():
     params = {n: p for n, p in model.named_parameters()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     processors = [b.self_attention.processor for b in model.layers]
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     assert [n for n, _ in model.named_modules()] == names
     assert {n: p for n, p in model.named_parameters()} == params  # same Parameter objects
     new_state = model.state_dict()
@@ -147,14 +147,14 @@ def test_structure_state_dict_and_processors_unchanged():
 def test_save_and_load_pretrained_roundtrip(tmp_path):
     model = tiny_model()
     kw = inputs(1, torch.float32)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     model.save_pretrained(tmp_path)
     loaded = ErnieImageTransformer2DModel.from_pretrained(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     # compare against the reloaded model itself: its memory-mapped weights are only 8-byte aligned,
     # and CPU GEMMs give other bits for them than for the original's (eager vs eager)
     ref = run(loaded, kw)
-    exactdit.patch(loaded)
+    exactdit.patch(loaded, mirror=True)
     assert_bits_equal(run(loaded, kw), ref, "reloaded, patched")
 
 
@@ -162,7 +162,7 @@ def test_unpatch_restores_diffusers_forwards():
     model = tiny_model()
     kw = inputs(2, torch.float32)
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     restored = exactdit.unpatch(model)
     assert restored == {"blocks": 2, "attention_processors": 2, "final_norm": 1, "transformer_forward": 1}
     for m in (model, model.final_norm, *model.layers):
@@ -180,9 +180,9 @@ def test_patch_twice_is_harmless():
     model = tiny_model(torch.bfloat16)
     kw = inputs(2, torch.bfloat16)
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     forwards = [m.forward for m in (model, model.final_norm, *model.layers)]
-    assert exactdit.patch(model)["already_patched"] is True
+    assert exactdit.patch(model, mirror=True)["already_patched"] is True
     assert [m.forward for m in (model, model.final_norm, *model.layers)] == forwards
     assert_bits_equal(run(model, kw), ref)
     exactdit.unpatch(model)
@@ -195,7 +195,7 @@ def test_grad_enabled_runs_diffusers_code_and_report_says_why():
     model = tiny_model()
     kw = inputs(2, torch.float32)
     ref = model(**kw).sample
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     exactdit.reset_report()
     out = model(**kw).sample  # grad enabled
     assert torch.equal(out, ref)
@@ -211,7 +211,7 @@ def test_grad_enabled_runs_diffusers_code_and_report_says_why():
 
 def test_report_shows_op_fallback_reasons():
     model = tiny_model(torch.bfloat16)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     exactdit.reset_report()
     run(model, inputs(1, torch.bfloat16))
     rep = exactdit.report(show=False)
@@ -227,7 +227,7 @@ def test_disabled_switch_still_exact(monkeypatch):
     model = tiny_model(torch.bfloat16)
     kw = inputs(2, torch.bfloat16)
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     assert_bits_equal(run(model, kw), ref)
 
 
@@ -236,7 +236,7 @@ def test_torch_compile_fullgraph(backend):
     model = tiny_model(torch.bfloat16)
     kw = inputs(2, torch.bfloat16)
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     exactdit.reset_report()
@@ -250,7 +250,7 @@ def test_torch_compile_repeated_blocks_fullgraph():
     model = tiny_model(torch.bfloat16)
     kw = inputs(2, torch.bfloat16)
     ref = run(model, kw)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     torch._dynamo.reset()
     model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
     assert_bits_equal(run(model, kw), ref)
@@ -308,7 +308,7 @@ def test_pipeline_objects_accepted():
                     generator=torch.Generator().manual_seed(1), use_pe=False).images
 
     ref = sample()
-    assert exactdit.patch(pipe)["blocks"] == 2
+    assert exactdit.patch(pipe, mirror=True)["blocks"] == 2
     assert "forward" in model.__dict__
     exactdit.reset_report()
     assert_bits_equal(sample(), ref, "pipeline latents")
@@ -317,12 +317,12 @@ def test_pipeline_objects_accepted():
     assert "forward" not in model.__dict__
     # anything with a .transformer
     holder = types.SimpleNamespace(transformer=model)
-    assert exactdit.patch(holder)["patched"] and exactdit.unpatch(holder)["blocks"] == 2
+    assert exactdit.patch(holder, mirror=True)["patched"] and exactdit.unpatch(holder)["blocks"] == 2
 
 
 def test_unsupported_objects():
     with pytest.raises(TypeError):
-        exactdit.patch(torch.nn.Linear(2, 2))
+        exactdit.patch(torch.nn.Linear(2, 2), mirror=True)
     model = tiny_model()
 
     class OtherProcessor(ErnieImageSingleStreamAttnProcessor):
@@ -330,7 +330,7 @@ def test_unsupported_objects():
 
     model.layers[1].self_attention.set_processor(OtherProcessor())
     with pytest.warns(UserWarning, match="OtherProcessor"):
-        summary = exactdit.patch(model)
+        summary = exactdit.patch(model, mirror=True)
     assert summary["patched"] is False
     assert "forward" not in model.__dict__ and "forward" not in model.layers[0].__dict__
 
@@ -340,7 +340,7 @@ def test_source_guard_refuses_changed_diffusers(monkeypatch):
     monkeypatch.setitem(ernie_image._MIRRORED_SOURCES, "RMSNorm.forward",
                         (ernie_image._MIRRORED_SOURCES["RMSNorm.forward"][0], "0" * 16))
     with pytest.warns(UserWarning, match="source differs"):
-        assert exactdit.patch(model)["patched"] is False
+        assert exactdit.patch(model, mirror=True)["patched"] is False
     assert "forward" not in model.__dict__
 
 
@@ -353,10 +353,10 @@ def test_lora_adapter_before_and_after_patch():
     a = tiny_model()
     a.add_adapter(config)
     ref = run(a, kw)  # unpatched with LoRA
-    exactdit.patch(a)
+    exactdit.patch(a, mirror=True)
     assert_bits_equal(run(a, kw), ref, "adapter then patch")
     b = tiny_model()
-    exactdit.patch(b)
+    exactdit.patch(b, mirror=True)
     torch.manual_seed(123)
     b.add_adapter(config)
     b.load_state_dict(a.state_dict())
@@ -378,7 +378,7 @@ def test_accelerate_hooks_either_order():
     model = tiny_model()
     ref = run(model, kw)
     # hook after patch (what enable_model_cpu_offload does to a patched pipeline)
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     add_hook_to_module(model, Counting())
     exactdit.reset_report()
     assert_bits_equal(run(model, kw), ref)
@@ -387,7 +387,7 @@ def test_accelerate_hooks_either_order():
     assert_bits_equal(run(model, kw), ref)
     assert Counting.calls == 2 and model._old_forward.__func__ is ErnieImageTransformer2DModel.forward
     # patch after hook
-    exactdit.patch(model)
+    exactdit.patch(model, mirror=True)
     exactdit.reset_report()
     assert_bits_equal(run(model, kw), ref)
     assert Counting.calls == 3 and "geglu" in exactdit.report(show=False)
@@ -403,4 +403,4 @@ def test_sequential_offload_style_hooks_refused():
     model = tiny_model()
     add_hook_to_module(model.layers[0].adaLN_sa_ln, ModelHook())
     with pytest.warns(UserWarning, match="accelerate hook"):
-        assert exactdit.patch(model)["patched"] is False
+        assert exactdit.patch(model, mirror=True)["patched"] is False

@@ -45,6 +45,9 @@ class Rule:
     emit: Callable[[Emitter, fx.Node, Index], Val]
     #: why this node cannot be fused, or None
     check: Callable[[fx.Node], str | None] = lambda node: None
+    #: the rule reproduces the CUDA kernel only, ATen's CPU kernel rounds differently for some
+    #: inputs (the gate then cannot check it on the CPU)
+    cuda_only: Callable[[fx.Node], bool] = lambda node: False
 
 
 _RULES: dict[Any, Rule] = {}
@@ -148,7 +151,9 @@ def _binary(op: str) -> Rule:
             return _fp32_binary(em, "mul", a, f32(1.0) / f32(b) if f32(b) != 0 else _div_by_zero(b), out)
         return _binary_values(em, op, a, b, out)
 
-    return Rule(POINTWISE, emit, check)
+    # CUDA divides by a scalar as a multiply by its reciprocal, the CPU divides
+    cuda_only = (lambda node: not isinstance(node.args[1], fx.Node)) if op == "div" else (lambda node: False)
+    return Rule(POINTWISE, emit, check, cuda_only)
 
 
 def _div_by_zero(b: float) -> float:
@@ -194,7 +199,7 @@ def _unary(fp32_expr: Callable[[str], str]) -> Rule:
 
 _register([aten.neg.default], _unary(lambda x: f"-{x}"))
 _register([aten.abs.default], _unary(lambda x: f"tl.abs({x})"))
-_register([aten.rsqrt.default], _unary(lambda x: f"rsqrt_approx({x})"))
+_register([aten.rsqrt.default], dataclasses.replace(_unary(lambda x: f"rsqrt_approx({x})"), cuda_only=lambda n: True))
 _register([aten.sqrt.default], _unary(lambda x: f"tl.sqrt_rn({x})"))
 _register([aten.reciprocal.default], _unary(lambda x: f"div_rn(tl.full({x}.shape, 1.0, tl.float32), {x})"))
 
@@ -591,6 +596,12 @@ _register(
      aten.erf.default, aten.sin.default, aten.cos.default, aten.log.default],
     Rule(UNARY_TABLE, _table_emit, _table_check),
 )
+
+
+def cuda_only(node: fx.Node) -> bool:
+    """Whether ``node``'s rule reproduces only the CUDA kernel (see ``Rule.cuda_only``)."""
+    rule = rule_for(node)
+    return rule is not None and rule.cuda_only(node)
 
 
 def table_function(node: fx.Node) -> Callable[[torch.Tensor], torch.Tensor]:

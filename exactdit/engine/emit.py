@@ -54,14 +54,25 @@ class Tile:
     row_shape: str | None  # shape of per-row values, None when the pass handles one row (scalars)
     mask: str  # full-tile mask variable
     row_mask: str | None  # per-row mask variable (None with one row)
+    #: the tile holds whole rows (columns 0 .. width-1 from tile column 0): a value wanted at
+    #: other columns of the same row can be gathered from the tile instead of recomputed
+    whole_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """A tensor the kernel reads or writes: pointer and per-dim stride argument names."""
+    """A tensor the kernel reads or writes: pointer and per-dim stride argument names; ``wide``
+    when it has 2^31 elements or more (64-bit offsets throughout)."""
 
     ptr: str
     strides: tuple[str, ...]
+    wide: bool = False
+
+
+def is_wide(val: torch.Tensor) -> bool:
+    """Whether offsets into ``val``'s storage may not fit 32 bits."""
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(val.shape, val.stride()))
+    return max(span, val.numel()) >= 2**31
 
 
 def f32_bits(value: float) -> int:
@@ -161,7 +172,10 @@ class Emitter:
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        if node in self.stored:
+        gathered = self._gathered(node, index)
+        if gathered is not None:
+            val = gathered
+        elif node in self.stored:
             val = self.load(self.stored[node], index, dtype_of(node))
         elif node not in self.members:
             val = self.load(self.input_operand(node), index, dtype_of(node))
@@ -180,6 +194,31 @@ class Emitter:
         self._memo[key] = val
         return val
 
+    def _gathered(self, node: fx.Node, index: Index) -> Val | None:
+        """``node`` at other columns of the tile's own rows (a rotary partner, a permutation
+        within the row), as a gather from the tile computed at the tile's columns: one set of
+        loads and arithmetic serves both. Needs whole rows in the tile and a node indexed like
+        the domain (same row, same width)."""
+        tile = self.tile
+        column = tile.domain[-1]
+        if not tile.whole_rows or index[-1] == column or not index[-1].per_element:
+            return None
+        if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
+            return None
+        saved = self._guard, self._guard_kind
+        self._guard, self._guard_kind = None, SCALAR  # every lane of the tile, not one cat piece's
+        try:
+            natural = self.value(node, index[:-1] + (column,))
+        finally:
+            self._guard, self._guard_kind = saved
+        if self.effective(natural.kind) != FULL:
+            return None
+        width = column.bound
+        lanes = self.code.let(
+            f"tl.broadcast_to(tl.minimum({index[-1].code()}, {width - 1}), {tile.full_shape})", "gi")
+        return self.let(f"tl.gather({natural.name}, {lanes}, {len(tile.full_shape.split(',')) - 1})",
+                        natural.dtype, FULL, "ga")
+
     def input_operand(self, node: fx.Node) -> Operand:
         op = self.loads.get(node)
         if op is None:
@@ -187,7 +226,7 @@ class Emitter:
             if not isinstance(val, torch.Tensor):
                 raise Unfusable(f"{node} is not a tensor")
             k = len(self.loads)
-            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(val.dim())))
+            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(val.dim())), is_wide(val))
             self.loads[node] = op
         return op
 
@@ -201,7 +240,7 @@ class Emitter:
         return float(arg)
 
     def load(self, operand: Operand, index: Index, dtype: torch.dtype) -> Val:
-        offset = offset_code(index, operand.strides)
+        offset = offset_code(index, operand.strides, operand.wide)
         kind = FULL if any(ix.per_element for ix in index) else (ROW if any(not ix.is_const for ix in index) else SCALAR)
         guard_kind = self.effective(self._guard_kind) if self._guard else SCALAR
         kind = max(self.effective(kind), guard_kind)
@@ -243,8 +282,10 @@ class Emitter:
 
     def store(self, operand: Operand, index: Index, v: Val) -> None:
         v = self.broadcast(v, FULL)
-        offset = offset_code(index, operand.strides)
-        self.code.line(f"tl.store({operand.ptr} + ({offset}), {v.name}, mask={self.tile.mask})")
+        offset = offset_code(index, operand.strides, operand.wide)
+        # (a pointer of the tile's shape even where the rows are one row of size-1 dims)
+        self.code.line(f"tl.store({operand.ptr} + ({offset}) + tl.zeros({self.tile.full_shape}, tl.int32), "
+                       f"{v.name}, mask={self.tile.mask})")
 
     def constant(self, value: float, dtype: torch.dtype, kind: int = SCALAR) -> Val:
         """A scalar operand as eager's CUDA kernels see it: rounded to fp32 (opmath) and, for a

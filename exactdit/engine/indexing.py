@@ -28,6 +28,9 @@ class Atom:
     bound: int
     #: depends on the column loop (per element) rather than only on the row (per row)
     per_element: bool
+    #: for ``base // k`` and ``base % k``: (base, "//" or "%", k), so that
+    #: ``(x // k) * k + x % k`` folds back to ``x``
+    origin: tuple | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,22 @@ class Ix:
         coeffs: dict[Atom, int] = dict(self.terms)
         for a, c in other.terms:
             coeffs[a] = coeffs.get(a, 0) + c
-        return Ix(_sorted(coeffs), self.const + other.const)
+        const = self.const + other.const
+        # (x // k) * c * k + (x % k) * c  ->  x * c
+        for a in list(coeffs):
+            if a not in coeffs or a.origin is None or a.origin[1] != "%":
+                continue
+            base, _, k = a.origin
+            q = next((b for b in coeffs if b.origin is not None and b.origin[1] == "//" and b.origin[0] == base
+                      and b.origin[2] == k and coeffs[b] == coeffs[a] * k), None)
+            if q is not None:
+                c = coeffs.pop(a)
+                coeffs.pop(q)
+                folded = base * c
+                for b, cb in folded.terms:
+                    coeffs[b] = coeffs.get(b, 0) + cb
+                const += folded.const
+        return Ix(_sorted(coeffs), const)
 
     def minus_const(self, value: int) -> "Ix":
         """``self - value`` where the result is known to be non-negative (cat pieces)."""
@@ -114,7 +132,7 @@ class Ix:
         split = self._split(k)
         if split is not None:
             return split[0]
-        return Ix.of(Atom(f"({self.code()} // {k})", (self.bound - 1) // k + 1, self.per_element))
+        return Ix.of(Atom(f"({self.code()} // {k})", (self.bound - 1) // k + 1, self.per_element, (self, "//", k)))
 
     def mod(self, k: int) -> "Ix":
         if k == 1:
@@ -124,7 +142,7 @@ class Ix:
         split = self._split(k)
         if split is not None:
             return split[1]
-        return Ix.of(Atom(f"({self.code()} % {k})", k, self.per_element))
+        return Ix.of(Atom(f"({self.code()} % {k})", k, self.per_element, (self, "%", k)))
 
 
 def _sorted(coeffs: dict[Atom, int]) -> tuple[tuple[Atom, int], ...]:
@@ -191,11 +209,18 @@ def broadcast_index(index: Index, out_shape: Sequence[int], in_shape: Sequence[i
     return tuple(Ix() if int(n) == 1 else index[lead + k] for k, n in enumerate(in_shape))
 
 
-def offset_code(index: Index, strides: Sequence[str]) -> str:
-    """``sum(index[d] * stride[d])`` in generated code, dims of index 0 dropped."""
+def offset_code(index: Index, strides: Sequence[str], wide: bool = False) -> str:
+    """``sum(index[d] * stride[d])`` in generated code, dims of index 0 dropped. Indices are 32-bit;
+    per-row terms are widened to 64 bits before the multiply (computed once per row), per-element
+    terms only for a tensor of 2^31 elements or more (``wide``)."""
     parts = []
     for ix, st in zip(index, strides):
         if ix.is_const and ix.const == 0:
             continue
-        parts.append(f"{ix.code()} * {st}")
+        if ix.is_const:
+            parts.append(f"tl.full((), {ix.const}, tl.int64) * {st}" if wide else f"{ix.const} * {st}")
+        elif wide or not ix.per_element:
+            parts.append(f"({ix.code()}).to(tl.int64) * {st}")
+        else:
+            parts.append(f"{ix.code()} * {st}")
     return " + ".join(parts) if parts else "0"

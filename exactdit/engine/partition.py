@@ -177,6 +177,9 @@ def _split_cat(v: fx.Node, option: list[_Group]) -> fx.Node | None:
 
 
 def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Node | None) -> list[Launch]:
+    """One launch per piece of the cat that separates a region's reductions, or that a pointwise
+    region computes as its domain (each piece's values only: no branch evaluated for nothing);
+    otherwise one launch over the domain."""
     if split_cat is None or split_cat not in members:
         return [Launch(tuple(domain))]
     from exactdit.engine.aten_ops import cat_pieces
@@ -215,6 +218,8 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     else:
         kind = "pointwise"
         anchor = max(outputs, key=lambda n: math.prod(shape_of(n)))
+        if anchor.target is torch.ops.aten.cat.default and g.split_cat is None:
+            g.split_cat = anchor
     domain = shape_of(anchor)
     numel = math.prod(domain)
     wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel}

@@ -8,12 +8,14 @@ returns the ATen result, and verified signatures launch the kernels only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from exactdit import gate
 from exactdit.engine import kernel_source, tables
-from exactdit.engine.aten_ops import table_function
+from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
 from exactdit.engine.templates import GeneratedKernel
 from exactdit.numerics import LAUNCH_OPTIONS
@@ -52,6 +54,8 @@ class RegionOp:
         self.region = region
         self.reference = reference_module(region)
         self._kernels: list | None = None
+        self._plans: dict = {}
+        self._table_cache: dict = {}
         self._out_layout = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
                             for n in region.outputs]
         self.op = gate.FusedOp(
@@ -60,7 +64,7 @@ class RegionOp:
             fused=self._fused,
             unsupported=self._unsupported,
             signature=self._signature,
-            cuda_numerics=bool(region.reductions),
+            cuda_numerics=bool(region.reductions) or any(cuda_only(n) for n in region.nodes),
         )
 
     def __call__(self, *inputs):
@@ -81,30 +85,18 @@ class RegionOp:
         )
 
     def _fused(self, *inputs):
-        region = self.region
-        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        tensors = dict(zip(region.inputs, inputs))
+        device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else next(
+            t.device for t in inputs if isinstance(t, torch.Tensor))
         outs = []
         for shape, stride, dtype in self._out_layout:
             out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             if gate.poison_outputs():
                 out.view(_INT_VIEW[dtype]).fill_(_POISON[dtype])
             outs.append(out)
-        table_data, table_consts = self._tables(device)
-        for fn, k in self.kernels():
-            args = []
-            for p in k.params:
-                if p[0] == "in":
-                    args.append(tensors[k.inputs[p[1]]])
-                elif p[0] == "out":
-                    args.append(outs[p[1]])
-                elif p[0] == "tab":
-                    args.append(table_data[p[1]])
-                elif p[0] == "in_stride":
-                    args.append(tensors[k.inputs[p[1]]].stride(p[2]))
-                else:
-                    args.append(outs[p[1]].stride(p[2]))
-            fn[k.grid](*args, **dict(k.constexprs), **table_consts, num_warps=k.num_warps, **LAUNCH_OPTIONS)
+        sources = (inputs, outs, self._tables(device)[0])
+        for launch in self._launches(device):
+            args = [sources[kind][i] if d < 0 else sources[kind][i].stride(d) for kind, i, d in launch.params]
+            launch.fn[launch.grid](*args, **launch.kwargs)
         return tuple(outs)
 
     # --- helpers --------------------------------------------------------------------------------
@@ -114,7 +106,29 @@ class RegionOp:
             self._kernels = [(kernel_source.load(k.source), k) for k in self.region.kernels]
         return self._kernels
 
+    def _launches(self, device) -> list["_Launch"]:
+        """Per device: each kernel with its arguments resolved to (source, index, dim) and its
+        keyword arguments (constexprs, table constexprs, launch options) in one dict."""
+        plans = self._plans.get(device)
+        if plans is None:
+            position = {n: i for i, n in enumerate(self.region.inputs)}
+            consts = self._tables(device)[1]
+            plans = []
+            for fn, k in self.kernels():
+                params = []
+                for p in k.params:
+                    kind = {"in": 0, "out": 1, "tab": 2, "in_stride": 0, "out_stride": 1}[p[0]]
+                    i = position[k.inputs[p[1]]] if kind == 0 else p[1]
+                    params.append((kind, i, p[2] if len(p) > 2 else -1))
+                kwargs = dict(k.constexprs, **consts, num_warps=k.num_warps, **LAUNCH_OPTIONS)
+                plans.append(_Launch(fn, k.grid, tuple(params), kwargs))
+            self._plans[device] = plans
+        return plans
+
     def _tables(self, device) -> tuple[list[torch.Tensor], dict[str, int]]:
+        hit = self._table_cache.get(device)
+        if hit is not None:
+            return hit
         data, consts = [], {}
         for k, node in enumerate(self.region.tables):
             dtype = node.meta["val"].dtype
@@ -124,7 +138,17 @@ class RegionOp:
                 raise RuntimeError(f"no table for {key[0]}: {why}")
             data.append(table.data)
             consts.update(table.spec.constexprs(f"tab{k}"))
+        self._table_cache[device] = (data, consts)
         return data, consts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    fn: object
+    grid: tuple[int, ...]
+    #: per kernel parameter: (0 inputs / 1 outputs / 2 tables, index, dim for a stride or -1)
+    params: tuple[tuple[int, int, int], ...]
+    kwargs: dict
 
 
 def region_call_target(op: RegionOp):

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.fx as fx
 
-from exactdit.engine.emit import TL_DTYPE, Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, shape_of
+from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, is_wide, shape_of
 from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
@@ -49,7 +49,7 @@ class GeneratedKernel:
 
 def output_operands(region: Region) -> list[Operand]:
     return [
-        Operand(f"out{k}_ptr", tuple(f"out{k}_s{d}" for d in range(len(shape_of(n)))))
+        Operand(f"out{k}_ptr", tuple(f"out{k}_s{d}" for d in range(len(shape_of(n)))), is_wide(n.meta["val"]))
         for k, n in enumerate(region.outputs)
     ]
 
@@ -90,7 +90,8 @@ def _table_preamble(region: Region, code: Code) -> dict[fx.Node, str]:
 
 
 def _row_atoms(code: Code, rows: str, shape: tuple[int, ...]) -> list[Ix]:
-    """Index atoms of the leading dims of ``shape`` from the flat row index ``rows`` (int64)."""
+    """Index atoms of the leading dims of ``shape`` from the flat row index ``rows`` (int32: row
+    counts stay below 2^31; offsets are computed in 64 bits, see ``indexing.offset_code``)."""
     lead = list(shape[:-1])
     atoms: list[Ix] = [Ix()] * len(lead)
     rest = rows
@@ -210,11 +211,11 @@ def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
     slots = _table_preamble(region, code)
     code.line("for tile in tl.static_range(TILES):")
     body = code.scope("        ")
-    body.line("rows = ((pid_r * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]).to(tl.int64)")
+    body.line("rows = (pid_r * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
     body.line(f"row_ok = rows < {n_rows}")
     body.line("mask = row_ok & col_ok")
     index = tuple(_row_atoms(body, "rows", shape)) + (Ix.of(Atom("cols", width, True)),)
-    tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok")
+    tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok", whole_rows=grid_c == 1)
     em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces=dict(launch.pieces), tables=slots)
     _store_outputs(em, region, launch, index, outs)
     code.extend(body)
@@ -427,7 +428,7 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     full = width % (4 * ln_k.THREADS) == 0
     choices = ln_k.CHOICES
     tree_count = width // ln_k.THREADS if full and not choices["rcp_approx"] and width <= ln_k.MAX_CONSTANT_COUNT else 0
-    code.line("row = tl.program_id(0).to(tl.int64)")
+    code.line("row = tl.program_id(0)")
     row = tuple(_row_atoms(code, "row", launch.shape))
     code.line(f"eps = {_eps32(t.red, 4)}")
     for v in ("mean", "m2", "cnt"):
@@ -471,7 +472,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     iters = -(-n_vec // threads)
     block_n = next_power_of_2(width)
     block_r = max(1, rope_k.ROW_BLOCK_ELEMENTS // block_n)
-    code.line(f"rows = (tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]).to(tl.int64)")
+    code.line(f"rows = tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     code.line(f"eps = {_eps32(t.red, 3)}")
@@ -481,7 +482,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         index = row + (Ix.of(Atom("cols", width, True)),)
         code.line(f"cols = tl.arange(0, {block_n})[None, :]")
         code.line(f"mask = row_ok & (cols < {width})")
-        em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok"))
+        em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok", whole_rows=True))
         x = t.reduction_input(em, index)
         code.line(f"acc = rope_k.thread_sums_from_tile(tl.where(mask, {x}, 0.0), {block_r}, {lanes}, "
                   f"{rope_k.SQUARE_FMA})")
@@ -511,7 +512,8 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"cols2 = k2 * {tile} + tl.arange(0, {tile})[None, :]")
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index2 = row + (Ix.of(Atom("cols2", width, True)),)
-    t.epilogue(t.emitter(body, Tile(index2, f"[{block_r}, {tile}]", row_shape, "mask2", "row_ok"), stored=t.stored()),
+    t.epilogue(t.emitter(body, Tile(index2, f"[{block_r}, {tile}]", row_shape, "mask2", "row_ok",
+                                    whole_rows=tile >= width), stored=t.stored()),
                index2)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
@@ -535,7 +537,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     n_chunks = -(-width // chunk)
     rows, warps, unroll, tail = rms_k.launch_shape(chunk, width)
     factor = _mean_factor(t.n_rows, width)
-    code.line(f"rows = (tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]).to(tl.int64)")
+    code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     for a in ("acc", "a1", "a2", "a3"):
@@ -567,8 +569,8 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"cols2 = k2 * {tail} + tl.arange(0, {tail})[None, :]")
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index = row + (Ix.of(Atom("cols2", width, True)),)
-    t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok"),
-                         stored=t.stored()), index)
+    t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok",
+                                    whole_rows=tail >= width), stored=t.stored()), index)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // rows),), warps)
 

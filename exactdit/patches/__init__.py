@@ -57,16 +57,17 @@ def patch(obj, *, mirror: bool = False) -> dict:
 
 def unpatch(obj) -> dict:
     """Restore diffusers' behaviour on ``obj`` (a pipeline or a transformer). Returns what was
-    restored (nothing when nothing was patched)."""
+    restored: ``{"restored": {block class: count}}`` for the engine, the mirror's counts for
+    ERNIE-Image's hand-written patch (zeros when nothing was patched)."""
     model = _transformer(obj, "unpatch")
     restored = engine.unpatch_transformer(model)
-    if _has_mirror(model):
-        restored["mirror"] = _mirror(model, "unpatch").unpatch_transformer(model)
-    return restored
+    if restored["restored"] or not _mirrored_class(model):
+        return restored
+    return _mirror(model, "unpatch").unpatch_transformer(model)
 
 
-def _has_mirror(model) -> bool:
-    return any("_exactdit_original" in m.__dict__ for m in model.modules())
+def _mirrored_class(model) -> bool:
+    return type(model).__name__ == "ErnieImageTransformer2DModel"
 
 
 __all__ = ["patch", "unpatch"]

@@ -83,6 +83,12 @@ class EngineCall:
             return out
 
 
+def reset() -> None:
+    """Forget which block classes failed to capture (tests)."""
+    with _lock:
+        _states.clear()
+
+
 def _first_line(e: Exception) -> str:
     lines = str(e).strip().splitlines()
     return lines[0][:300] if lines else ""

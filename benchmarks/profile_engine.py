@@ -1,0 +1,134 @@
+"""Where a model's time goes under the engine, block graph by block graph and region by region.
+
+    python3 benchmarks/profile_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
+
+Captures the model's block graphs with real inputs, runs each graph op by op with CUDA events
+around every ATen op (eager's kernels), and reports
+* coverage: the share of eager's non-GEMM / non-attention kernel time that the engine's regions
+  replace (per graph and for the whole model, weighted by how many blocks run each graph);
+* per region: its eager ATen time, the fused kernel's time, and the memory floor (bytes of its
+  inputs and outputs at the copy bandwidth measured in the same run).
+Writes ``profile_engine_<model>.json`` to ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.common import copy_bandwidth_gbs, environment, write_json  # noqa: E402
+from exactdit.engine.capture import NodeTimer, capture_graphs  # noqa: E402
+from exactdit.engine.coverage import is_gemm_or_attention  # noqa: E402
+from exactdit.engine.partition import _is_compute, find_regions  # noqa: E402
+from exactdit.engine.runtime import RegionOp  # noqa: E402
+from exactdit.harness import models  # noqa: E402
+
+
+def gpu_ms(fn) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph (no host overhead)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
+
+
+def call_us(fn, calls: int = 50) -> float:
+    """Wall time per back-to-back call (host issue time where it exceeds the GPU time)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(nbytes(x) for x in t)
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return min(t.numel(), t.untyped_storage().nbytes() // t.element_size()) * t.element_size()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="flux")
+    ap.add_argument("--config", default="full")
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--frames", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    os.environ["EXACTDIT_TRUST"] = "1"  # time the kernels; equality is bench_engine's job
+    bandwidth = copy_bandwidth_gbs()
+    tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device="cuda")
+    kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
+                               batch=args.batch)
+    blocks = collections.Counter(type(m).__name__ for m in tr.modules()
+                                 if type(m).__name__ in set(tr._repeated_blocks))
+    graphs = capture_graphs(tr, kw)
+    # graphs of one class: the first serves that class's blocks, later ones (recaptures) none
+    seen: set = set()
+    total = collections.Counter()
+    rows, regions_out = [], []
+    for k, (cls, gm, inputs) in enumerate(graphs):
+        weight = blocks.get(cls, 1) if cls not in seen else 0
+        seen.add(cls)
+        timer = NodeTimer(gm)
+        ms = timer.timed(inputs)
+        partition = find_regions(gm, f"{cls}#{k}")
+        fused_nodes = {n for r in partition.regions for n in r.nodes}
+        other = {n: t for n, t in ms.items() if _is_compute(n) and not is_gemm_or_attention(n)}
+        gemm = sum(t for n, t in ms.items() if is_gemm_or_attention(n))
+        covered = sum(t for n, t in other.items() if n in fused_nodes)
+        fused_ms = 0.0
+        for region in partition.regions:
+            op = RegionOp(region)
+            args_ = [timer.values[n] for n in region.inputs]
+            fused = gpu_ms(lambda: op(*args_))
+            eager = gpu_ms(lambda: op.reference(*args_))
+            host = call_us(lambda: op(*args_))
+            floor = (nbytes(args_) + sum(nbytes(timer.values[n]) for n in region.outputs)) / bandwidth / 1e6
+            fused_ms += fused
+            regions_out.append(dict(graph=cls, region=region.name, kind=region.describe(), eager_ms=eager,
+                                    fused_ms=fused, floor_ms=floor, call_us=host, blocks=weight))
+        row = dict(graph=cls, blocks=weight, gemm_attention_ms=gemm, other_eager_ms=sum(other.values()),
+                   other_fused_away_ms=covered, regions_fused_ms=fused_ms,
+                   left_ms={str(n.target): t for n, t in other.items() if n not in fused_nodes})
+        rows.append(row)
+        for key in ("gemm_attention_ms", "other_eager_ms", "other_fused_away_ms", "regions_fused_ms"):
+            total[key] += row[key] * weight
+        print(f"{cls}: x{weight} GEMM+attention {gemm:.3f} ms, other eager {row['other_eager_ms']:.3f} ms, "
+              f"fused away {covered:.3f} ms ({100 * covered / max(row['other_eager_ms'], 1e-9):.1f}%), "
+              f"regions run {fused_ms:.3f} ms", flush=True)
+        left = collections.Counter()
+        for n, t in other.items():
+            if n not in fused_nodes:
+                left[str(n.target)] += t
+        for op_name, t in left.most_common(6):
+            print(f"    left: {op_name} {t:.3f} ms")
+    print(f"\nwhole model (blocks): GEMM+attention {total['gemm_attention_ms']:.1f} ms, other eager "
+          f"{total['other_eager_ms']:.1f} ms, fused away {total['other_fused_away_ms']:.1f} ms "
+          f"({100 * total['other_fused_away_ms'] / max(total['other_eager_ms'], 1e-9):.1f}%), "
+          f"regions run {total['regions_fused_ms']:.1f} ms; copy bandwidth {bandwidth:.0f} GB/s")
+    print("\n| region | blocks | eager us | fused us | floor us | x floor | call us |\n|---|---|---|---|---|---|---|")
+    for r in sorted(regions_out, key=lambda r: -(r["fused_ms"] - r["floor_ms"]) * max(r["blocks"], 1)):
+        print(f"| {r['region']} {r['kind']} | {r['blocks']} | {1e3 * r['eager_ms']:.1f} | {1e3 * r['fused_ms']:.1f} | "
+              f"{1e3 * r['floor_ms']:.1f} | {r['fused_ms'] / max(r['floor_ms'], 1e-9):.2f} | {r['call_us']:.0f} |")
+    from exactdit.engine import tables
+
+    for key, (table, why) in tables._cache.items():
+        print("table", key[0], key[-2], key[-1], table.spec if table else why)
+    write_json(f"profile_engine_{args.model}_{args.config}_b{args.batch}.json",
+               {"graphs": rows, "regions": regions_out, "total": dict(total), "copy_gbs": bandwidth, **environment()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Capturing a model's block graphs with their real inputs, and timing them op by op: what the
+coverage numbers and the engine's tests and benchmarks are computed from."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+
+def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
+    """The ATen inference graphs of ``model``'s repeated blocks (captured as
+    ``compile_repeated_blocks`` captures them: one backend per block class) and the inputs of each
+    graph's first call: [(block class, graph module, inputs)]. The model runs one forward;
+    nothing is rewritten."""
+    captured: list = []
+
+    def backend_for(label: str):
+        def compiler(gm, example_inputs):
+            entry = [label, gm, None]
+            captured.append(entry)
+
+            def run(*args):
+                if entry[2] is None:
+                    entry[2] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                return gm(*args)
+
+            return run
+
+        return aot_autograd(fw_compiler=compiler)
+
+    torch._dynamo.reset()
+    backends: dict = {}
+    names = set(getattr(model, "_repeated_blocks", ()) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for m in blocks:
+        label = type(m).__name__
+        backend = backends.setdefault(label, backend_for(label))
+        m._compiled_call_impl = torch.compile(m._call_impl, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        for m in blocks:
+            m._compiled_call_impl = None
+        torch._dynamo.reset()
+    return [tuple(entry) for entry in captured]
+
+
+class NodeTimer(fx.Interpreter):
+    """Runs an ATen graph op by op on the GPU with a CUDA event pair around every op; keeps
+    every node's value (``values``) and its GPU time (``ms``, median over the runs)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[fx.Node, object] = {}
+        self._events: dict[fx.Node, list] = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function":
+            out = super().run_node(n)
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = super().run_node(n)
+            end.record()
+            self._events.setdefault(n, []).append((start, end))
+        self.values[n] = out
+        return out
+
+    def timed(self, inputs, runs: int = 3) -> dict[fx.Node, float]:
+        with torch.no_grad():
+            self.run(*inputs)  # warm-up
+            self._events.clear()
+            for _ in range(runs):
+                self.run(*inputs)
+        torch.cuda.synchronize()
+        return {n: statistics.median(s.elapsed_time(e) for s, e in ev) for n, ev in self._events.items()}

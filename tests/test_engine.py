@@ -1,0 +1,293 @@
+"""The engine on the CPU: index arithmetic, op rules against CPU eager, reduction templates against
+CUDA's reduction orders (order models), whole captured blocks of every registered model, the gate,
+the backend and the patch. Kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import exactdit
+from exactdit import gate
+from exactdit.engine import coverage, make_backend, tables
+from exactdit.engine.backend import rewrite
+from exactdit.engine.indexing import Atom, Ix, broadcast_index, reshape_index
+from exactdit.engine.partition import find_regions
+from exactdit.harness import models
+from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, trusted
+from tests.helpers import assert_bits_equal, rand
+
+aten = torch.ops.aten
+
+
+# --- index arithmetic ------------------------------------------------------------------------
+
+
+def _atoms(shape):
+    return tuple(Ix.of(Atom(f"i{d}", n, d == len(shape) - 1)) for d, n in enumerate(shape))
+
+
+def test_view_and_its_inverse_give_back_the_atoms():
+    index = _atoms((2, 24, 4, 32))
+    split = reshape_index(index, (2, 24, 4, 32), (2, 24, 128))
+    assert reshape_index(split, (2, 24, 128), (2, 24, 4, 32)) == index
+    pairs = reshape_index(index, (2, 24, 4, 32), (2, 24, 4, 16, 2))
+    assert pairs[3].code() == "(i3 // 2)" and pairs[4].code() == "(i3 % 2)"
+    assert reshape_index(pairs, (2, 24, 4, 16, 2), (2, 24, 4, 32)) == index
+
+
+def test_index_bounds_and_broadcast():
+    i = Ix.of(Atom("c", 16, True))
+    assert (i * 4 + 3).floordiv(4) == i and (i * 4 + 3).mod(4) == Ix.constant(3)
+    assert i.floordiv(16) == Ix() and i.mod(32) == i
+    assert broadcast_index(_atoms((2, 5, 8)), (2, 5, 8), (2, 1, 8))[1] == Ix()
+
+
+# --- op rules against CPU eager (pointwise regions are checked by the gate on the CPU) ---------
+
+
+def _region_run(build, inputs):
+    """Rewrite the graph ``build(b, *nodes)`` makes and run it: (fused outputs, eager outputs as
+    CUDA computes them)."""
+    b = GraphBuilder()
+    nodes = [b.input(t) for t in inputs]
+    gm = b.module(*build(b, *nodes))
+    ref = CudaOrderInterpreter(gm).run(*inputs)
+    report = rewrite(gm, "test")
+    with trusted():
+        out = gm(*inputs)
+    return out, ref, report
+
+
+OPS = {
+    "gated residual": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.unsqueeze.default, g, 1), u))],
+    "modulate": lambda b, x, u, g: [b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, b.op(aten.add.Tensor, b.op(aten.unsqueeze.default, g, 1), 1)), u)],
+    "fp32 chain": lambda b, x, u, g: [b.op(aten._to_copy.default, b.op(aten.add.Tensor, b.op(aten.mul.Tensor, b.op(aten._to_copy.default, x, dtype=torch.float32), 0.7071067811865476), b.op(aten._to_copy.default, u, dtype=torch.float32)), dtype=x.meta["val"].dtype)],
+    "div sub neg": lambda b, x, u, g: [b.op(aten.neg.default, b.op(aten.sub.Tensor, b.op(aten.div.Tensor, x, 3.0), b.op(aten.div.Tensor, u, x)))],
+    "clamp pow": lambda b, x, u, g: [b.op(aten.clamp.default, b.op(aten.mul.Tensor, b.op(aten.pow.Tensor_Scalar, x, 2), u), -2.0, 2.0)],
+    "gelu tanh times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, u, b.op(aten.gelu.default, x, approximate="tanh"))],
+    "silu times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, b.op(aten.silu.default, x), u)],
+    "tanh gate": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.tanh.default, b.op(aten.unsqueeze.default, g, 1)), u))],
+    "interleaved rope": lambda b, x, u, g: [_rope(b, x, u)],
+    "cat on the last dim": lambda b, x, u, g: [b.op(aten.cat.default, [x, b.op(aten.gelu.default, u, approximate="tanh")], 2)],
+}
+
+
+def _rope(b, x, table):
+    """Flux's ``apply_rotary_emb(use_real=True, unbind_dim=-1)`` with ``table`` as cos and sin."""
+    shape = list(x.meta["val"].shape)
+    pairs = b.op(aten.view.default, x, shape[:-1] + [-1, 2])
+    real, imag = b.op(aten.unbind.int, pairs, -1)
+    rotated = b.op(aten.view.default, b.op(aten.stack.default, [b.op(aten.neg.default, imag), real], -1), shape)
+    f32 = lambda t: b.op(aten._to_copy.default, t, dtype=torch.float32)  # noqa: E731
+    t32 = f32(table)
+    out = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, f32(x), t32), b.op(aten.mul.Tensor, f32(rotated), t32))
+    return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 7, 96), (1, 1, 64), (3, 33, 130)], ids=["2x7x96", "one row", "odd"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_pointwise_regions_equal_cpu_eager(name, shape, dtype):
+    if name in ("gelu tanh times up", "silu times up", "tanh gate", "cat on the last dim") and dtype == torch.float32:
+        pytest.skip("fp32 transcendental functions stay with ATen")
+    g = torch.Generator().manual_seed(hash((name, shape)) % 2**31)
+    x, u = rand(shape, dtype, "cpu", g), rand(shape, dtype, "cpu", g)
+    mod = rand((shape[0], shape[-1]), dtype, "cpu", g)
+    if name == "clamp pow":
+        x = x.clamp(-3, 3)
+    out, ref, report = _region_run(OPS[name], [x, u, mod])
+    assert report.regions, report.lines()
+    assert_bits_equal(out[0], ref[0], name)
+
+
+def test_permuted_and_strided_inputs():
+    g = torch.Generator().manual_seed(3)
+    x = rand((9, 2, 64), torch.bfloat16, "cpu", g).permute(1, 0, 2)  # [S, B, D] seen as [B, S, D]
+    u = rand((2, 18, 64), torch.bfloat16, "cpu", g)[:, ::2]
+    mod = rand((2, 64), torch.bfloat16, "cpu", g)
+    out, ref, _ = _region_run(OPS["gated residual"], [x, u, mod])
+    assert_bits_equal(out[0], ref[0])
+
+
+# --- reduction templates against CUDA's orders ----------------------------------------------------------
+
+
+def _cuda_order_check(build, inputs):
+    b = GraphBuilder()
+    nodes = [b.input(t) for t in inputs]
+    gm = b.module(*build(b, *nodes))
+    ref = CudaOrderInterpreter(gm).run(*inputs)
+    report = rewrite(gm, "test")
+    with trusted():
+        out = gm(*inputs)
+    assert report.regions and not report.failed, report.lines()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    return report
+
+
+@pytest.mark.parametrize("width", [64, 96, 3072])
+@pytest.mark.parametrize("affine", [False, True])
+def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
+    g = torch.Generator().manual_seed(width)
+    x, u = rand((2, 5, width), torch.bfloat16, "cpu", g), rand((2, 5, width), torch.bfloat16, "cpu", g)
+    mod = rand((2, width), torch.bfloat16, "cpu", g)
+    w, bias = rand((width,), torch.bfloat16, "cpu", g), rand((width,), torch.bfloat16, "cpu", g)
+
+    def build(b, x, u, mod, w, bias):
+        h = OPS["gated residual"](b, x, u, mod)[0]
+        ln = b.op(aten.native_layer_norm.default, h, [width], w if affine else None, bias if affine else None, 1e-6)[0]
+        return [h, OPS["modulate"](b, ln, x, mod)[0]]
+
+    report = _cuda_order_check(build, [x, u, mod, w, bias])
+    assert any("layer_norm" in d for d, _ in report.regions.values())
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 1024])
+def test_fused_rms_norm_cat_and_rope(head_dim):
+    """Flux's QK path: F.rms_norm per head on both streams, cat, interleaved RoPE: one region,
+    one launch per stream, the rotary partner gathered from the tile."""
+    g = torch.Generator().manual_seed(head_dim)
+    heads = 2
+    txt, img = rand((1, 3, heads * head_dim), torch.bfloat16, "cpu", g), rand((1, 5, heads * head_dim), torch.bfloat16, "cpu", g)
+    w1, w2 = rand((head_dim,), torch.bfloat16, "cpu", g), rand((head_dim,), torch.bfloat16, "cpu", g)
+    table = rand((8, 1, head_dim), torch.float32, "cpu", g)
+
+    def build(b, txt, img, w1, w2, table):
+        a = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, txt, [1, 3, heads, head_dim]), [head_dim], w1, 1e-6)[0]
+        c = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, img, [1, 5, heads, head_dim]), [head_dim], w2, 1e-6)[0]
+        return [_rope(b, b.op(aten.cat.default, [a, c], 1), table)]
+
+    report = _cuda_order_check(build, [txt, img, w1, w2, table])
+    assert "fused_rms_norm" in next(iter(report.regions.values()))[0]
+
+
+@pytest.mark.parametrize("width", [64, 100, 4096])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_decomposed_rms_norm(width, rows):
+    """diffusers' RMSNorm (pow / mean / rsqrt), ATen's mean order for the actual row count."""
+    g = torch.Generator().manual_seed(width + rows)
+    x = rand((rows, width), torch.bfloat16, "cpu", g)
+    w = rand((width,), torch.bfloat16, "cpu", g)
+
+    def build(b, x, w):
+        x32 = b.op(aten._to_copy.default, x, dtype=torch.float32)
+        var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
+        h = b.op(aten.mul.Tensor, x, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-6)))
+        return [b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)]
+
+    if width % 4 and width >= 128:
+        pytest.skip("misaligned rows stay with ATen")
+    _cuda_order_check(build, [x, w])
+
+
+# --- captured blocks of every registered model -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in models.model_names() if n not in ("flux-schnell", "wan-1.3b")])
+def test_captured_blocks_equal_cuda_order(name):
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=4)
+    video = dict(num_frames=5) if models.get_spec(name).video else {}
+    kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, **video)
+    for _, gm, inputs in capture_graphs(tr, kw):
+        with torch.no_grad():
+            ref = CudaOrderInterpreter(gm).run(*inputs)
+            report = rewrite(gm, name)
+            with trusted():
+                out = gm(*inputs)
+        assert report.regions and not report.failed, report.lines()
+        for o, r in zip(out, ref):
+            assert_bits_equal(o, r, name)
+
+
+# --- the gate, the backend, the patch ---------------------------------------------------------------
+
+
+def test_a_wrong_region_is_disabled_and_eager_returned(monkeypatch):
+    from exactdit.engine import runtime
+
+    real = runtime.RegionOp._fused
+
+    def wrong(self, *inputs):
+        return tuple(o + 1 for o in real(self, *inputs))
+
+    monkeypatch.setattr(runtime.RegionOp, "_fused", wrong)
+    g = torch.Generator().manual_seed(0)
+    inputs = [rand((2, 4, 64), torch.bfloat16, "cpu", g), rand((2, 4, 64), torch.bfloat16, "cpu", g),
+              rand((2, 64), torch.bfloat16, "cpu", g)]
+    b = GraphBuilder()
+    nodes = [b.input(t) for t in inputs]
+    gm = b.module(*OPS["gated residual"](b, *nodes))
+    ref = gm(*inputs)
+    rewrite(gm, "wrong")
+    with pytest.warns(gate.ExactditMismatchWarning):
+        out = gm(*inputs)
+    assert_bits_equal(out[0], ref[0])
+    stats = exactdit.report(show=False)["wrong.r0"]
+    assert stats["disabled"] and stats["eager"] == 1 and stats["fused"] == 0
+    assert_bits_equal(gm(*inputs)[0], ref[0])  # stays eager
+
+
+def test_registered_backend_compiles_a_function():
+    def f(x, g):
+        return x + g * 2.0 * x
+
+    x, g = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="exactdit", fullgraph=True)(x, g)
+    assert torch.equal(out, f(x, g))
+    assert coverage.graphs()[-1].regions
+
+
+def test_patch_unpatch_and_report_on_a_model():
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        summary = exactdit.patch(tr)
+        out = tr(**kw, return_dict=False)[0]
+        assert summary["modules"]["FluxTransformerBlock"] == 1
+        assert exactdit.unpatch(tr)["restored"]["FluxSingleTransformerBlock"] == 1
+        again = tr(**kw, return_dict=False)[0]
+    assert_bits_equal(out, ref) and assert_bits_equal(again, ref)
+    assert all(m._compiled_call_impl is None for m in tr.modules())
+    rep = exactdit.report(show=False)
+    assert any(v["fused"] for k, v in rep.items() if k.startswith("FluxTransformer2DModel"))
+
+
+def test_a_block_the_engine_cannot_capture_runs_eager_with_the_reason():
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=8)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=9)
+    block = tr.transformer_blocks[0]
+    forward = block.forward
+
+    def breaks_the_graph(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(*args, **kwargs)
+
+    block.forward = breaks_the_graph
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = tr(**kw, return_dict=False)[0]
+        exactdit.unpatch(tr)
+    assert_bits_equal(out, ref)
+    assert any("runs diffusers' code" in str(w.message) for w in caught)
+    reasons = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]["eager_reasons"]
+    assert any("not captured" in r for r in reasons)
+
+
+def test_tables_reproduce_eager_on_every_input():
+    for fn in (torch.tanh, F.silu, lambda x: F.gelu(x, approximate="tanh")):
+        for dtype in (torch.bfloat16, torch.float16):
+            table, why = tables.build_table(fn, dtype, "cpu")
+            assert why is None and table is not None
+    spec = tables.derive_spec(torch.tanh(tables.every_value(torch.bfloat16, "cpu")), torch.bfloat16)
+    assert 0 < spec.window <= tables.MAX_WINDOW  # the window, not the full table

@@ -11,7 +11,9 @@ import sys
 
 import click
 
-CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.tiny.CONFIGS
+CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.models CONFIG_NAMES
+#: the registered models (exactdit.harness.models); listed here so `--help` needs no model imports
+MODEL_CHOICES = ("ernie", "flux", "flux-schnell", "chroma", "qwen", "zimage", "wan", "wan-1.3b")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
@@ -49,6 +51,8 @@ def version() -> None:
 
 
 @main.command()
+@click.option("--model", type=click.Choice(MODEL_CHOICES), default="ernie", show_default=True,
+              help="Registered diffusers DiT (exactdit.harness.models).")
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
               help="Embedded model size [default: tiny on CPU, small on CUDA].")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="Sampling steps.")
@@ -58,20 +62,21 @@ def version() -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Output folder for the latent preview PNG and perf JSONs.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
-              help="CFG scale (> 1 batches [uncond, cond] like the pipeline).")
+@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=None,
+              help="Guidance scale [default: the model's production setting].")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Untimed transformer calls before each timed run (kernel compilation / autotuning).")
+              help="Untimed one-step pipeline calls before each timed run (capture, kernel compilation).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
-def demo(config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress) -> None:
-    """Eager vs patched sampling of an embedded ERNIE-Image transformer (random weights, no downloads).
+def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress) -> None:
+    """Eager vs patched sampling through diffusers' own pipeline of an embedded model (random weights,
+    tiny offline text encoders and VAE, no downloads).
 
     Exits 1 when the final latents of the two runs are not bit-identical.
     """
     from exactdit.harness import _api
     from exactdit.harness.demo import DemoOptions, HarnessError, run_demo
 
-    opts = DemoOptions(config=config, steps=steps, seed=seed, dtype=dtype, out=out_dir, device=device,
+    opts = DemoOptions(model=model, config=config, steps=steps, seed=seed, dtype=dtype, out=out_dir, device=device,
                        guidance_scale=guidance_scale, warmup=warmup, progress=progress)
     try:
         _, code = run_demo(opts, echo=click.echo)

@@ -60,6 +60,14 @@ def test_python_dash_m_entry_point():
 # --------------------------------------------------------------------------------------------- demo
 
 
+def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):
+    res = invoke("demo", "--model", "flux", "--config", "tiny", "--steps", 2, "--out", tmp_path, "--device", "cpu",
+                 "--no-progress", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert "FluxPipeline" in res.output and "EQUAL" in res.output and "DIFFERENT" not in res.output
+    assert "graph FluxTransformer2DModel.FluxTransformerBlock" in res.output
+
+
 def test_demo_tiny_end_to_end(tmp_path):
     res = invoke("demo", "--config", "tiny", "--steps", 2, "--seed", 1, "--out", tmp_path, "--device", "cpu",
                  "--no-progress")
@@ -83,6 +91,7 @@ def test_demo_tiny_end_to_end(tmp_path):
     assert eager["outputs"]["latents_md5"] in out
     assert len(patched["timings"]["steps_s"]) == 2
     assert patched["args"]["config"] == "tiny" and patched["args"]["dtype"] == "fp32"
+    assert patched["args"]["model"] == "ernie"
     assert patched["outputs"]["verdict"] == "EQUAL"
     rep = patched["exactdit_report"]
     assert rep and all({"fused", "eager", "eager_reasons"} <= set(e) for e in rep.values())
@@ -101,7 +110,7 @@ def test_demo_exits_nonzero_when_runs_differ(monkeypatch, tmp_path):
 
     def bad_patch(obj):  # the real patch, then a change of numerics it must not make
         summary = real_patch(obj)
-        w = obj.final_linear.weight
+        w = obj.transformer.final_linear.weight
         saved["w"] = w.detach().clone()
         with torch.no_grad():
             w.mul_(1.0 + 2.0**-8)
@@ -109,7 +118,7 @@ def test_demo_exits_nonzero_when_runs_differ(monkeypatch, tmp_path):
 
     def bad_unpatch(obj):
         with torch.no_grad():
-            obj.final_linear.weight.copy_(saved["w"])
+            obj.transformer.final_linear.weight.copy_(saved["w"])
         return real_unpatch(obj)
 
     monkeypatch.setattr(exactdit, "patch", bad_patch)
@@ -140,7 +149,7 @@ def test_demo_warns_that_a_huge_config_is_impractical_on_cpu(monkeypatch, tmp_pa
         raise demo_mod.HarnessError("stopped before building")
 
     monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 1 << 50)  # passes the memory check
-    monkeypatch.setattr(demo_mod, "build_transformer", stop)
+    monkeypatch.setattr(demo_mod, "build_pipeline", stop)
     res = invoke("demo", "--config", "full", "--dtype", "bf16", "--device", "cpu", "--out", tmp_path)
     assert_clean_error(res, 1, "is impractical on CPU", "building weights: 15.0 GiB in bf16",
                        "Error: stopped before building")

@@ -1,4 +1,6 @@
-"""``exactdit demo``: eager vs patched sampling of an embedded ERNIE-Image transformer (no downloads)."""
+"""``exactdit demo``: eager vs patched sampling through diffusers' own pipeline of a registered model
+(``exactdit.harness.models``: embedded configs, seeded random weights, tiny offline text encoders
+and VAE; no downloads)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Callable
 
 import torch
 
-from . import _api, metrics, perf
+from exactdit import gate
+from exactdit.engine import coverage
+
+from . import _api, metrics, models, perf
 from .ab import latent_side_by_side
-from .sampling import make_inputs, sample, warmup
-from .tiny import build_transformer, dtype_from_name, dtype_name, estimate_bytes, get_config
+from .models import build_pipeline, dtype_from_name, dtype_name
 
 
 class HarnessError(RuntimeError):
@@ -75,10 +79,10 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> int:
+def check_memory(model: str, config: str, dtype: torch.dtype, device: torch.device) -> int:
     """Refuse (clearly) a config whose weights alone would not fit, instead of being killed for OOM;
-    returns the bytes its weights need."""
-    need = estimate_bytes(config, dtype)
+    returns the bytes its transformer weights need."""
+    need = models.estimate_bytes(model, config, dtype)
     have = available_bytes(device)
     if have is not None and need * 1.1 > have:
         raise HarnessError(
@@ -88,15 +92,20 @@ def check_memory(config: str, dtype: torch.dtype, device: torch.device) -> int:
     return need
 
 
+#: image (video) size the demo samples per config; "full" uses the model's production size
+DEMO_SIZES = {"tiny": (64, 64, 5), "diffusers_test": (32, 32, 5), "small": (512, 512, 9)}
+
+
 @dataclass
 class DemoOptions:
+    model: str = "ernie"
     config: str | None = None
     steps: int = 8
     seed: int = 0
     dtype: str | None = None
     out: str = "runs/demo"
     device: str = "auto"
-    guidance_scale: float = 4.0
+    guidance_scale: float | None = None
     warmup: int = 1
     progress: bool = True
 
@@ -109,22 +118,27 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     """Run the demo; returns (summary dict, exit code: 0 equal, 1 different)."""
     ex = _api.api()  # fail early and clearly if the patching API is unavailable
     device = resolve_device(opts.device)
+    spec = models.get_spec(opts.model)
     config = opts.config or default_config(device)
-    cfg = get_config(config)
     dtname = opts.dtype or default_dtype(device)
     dtype = dtype_from_name(dtname)
     if opts.steps < 1:
         raise HarnessError("--steps must be >= 1")
-    weight_bytes = check_memory(config, dtype, device)
+    weight_bytes = check_memory(opts.model, config, dtype, device)
     n_params = weight_bytes // dtype.itemsize
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    h, w = cfg["latent_hw"]
+    prod = spec.production
+    height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
+    call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
+                                       steps=opts.steps, seed=opts.seed)
+    if opts.guidance_scale is not None and "guidance_scale" in call:
+        call["guidance_scale"] = opts.guidance_scale
+    size = f"{height}x{width}" + (f"x{frames} frames" if spec.video else "")
     echo(
-        f"exactdit demo: config={config} ({n_params / 1e6:.2f}M params, {h}x{w} latents, "
-        f"text {cfg['text_len']}/{cfg['neg_text_len']} tokens), {opts.steps} steps, {dtname}, seed {opts.seed}, "
-        f"CFG {opts.guidance_scale:g}"
+        f"exactdit demo: {opts.model} config={config} ({n_params / 1e6:.2f}M params) through diffusers' "
+        f"{spec.pipeline_cls.__name__}, {size}, {opts.steps} steps, {dtname}, seed {opts.seed}"
+        + (f", guidance {call['guidance_scale']:g}" if "guidance_scale" in call else "")
     )
     dev_info = perf.device_info(device)
     echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
@@ -136,64 +150,45 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
                  f"weights takes minutes and sampling hours. Use --config tiny or small here, or a CUDA GPU.")
 
     # the slow phases (weights, warmup) each announce themselves, so a long run is never silent
-    size = f"{weight_bytes / 2**30:.1f} GiB" if weight_bytes >= 2**30 else f"{weight_bytes / 2**20:.1f} MiB"
-    echo(f"building weights: {size} in {dtname} on {device.type} ...")
+    size_text = f"{weight_bytes / 2**30:.1f} GiB" if weight_bytes >= 2**30 else f"{weight_bytes / 2**20:.1f} MiB"
+    echo(f"building weights: {size_text} in {dtname} on {device.type} ...")
     t0 = time.perf_counter()
-    transformer = build_transformer(config, seed=opts.seed, dtype=dtype, device=device)
+    pipe = build_pipeline(opts.model, config, seed=opts.seed, dtype=dtype, device=device)
     echo(f"built in {time.perf_counter() - t0:.1f}s")
-    inputs = make_inputs(
-        transformer,
-        latent_hw=cfg["latent_hw"],
-        text_len=cfg["text_len"],
-        neg_text_len=cfg["neg_text_len"],
-        seed=opts.seed,
-        guidance_scale=opts.guidance_scale,
-        device=device,
-    )
 
     args = {
-        "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname, "device": str(device),
-        "guidance_scale": opts.guidance_scale, "warmup": opts.warmup, "params": n_params,
-        "latent_hw": list(cfg["latent_hw"]), "model_config": dict(cfg["model"]),
+        "model": opts.model, "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname,
+        "device": str(device), "guidance_scale": call.get("guidance_scale"), "warmup": opts.warmup,
+        "params": n_params, "height": height, "width": width, "num_frames": frames if spec.video else None,
+        "model_config": dict(spec.config(config)),
     }
-
-    def progress(label):
-        if not opts.progress:
-            return None, None
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=opts.steps, desc=label, leave=False, unit="step")
-        return bar, (lambda i, n: bar.update(1))
 
     runs = {}
     patch_summary = None
     try:
         for label in ("eager", "patched"):
             if label == "patched":
-                patch_summary = ex.patch(transformer)
+                patch_summary = ex.patch(pipe)
             if opts.warmup:
                 echo(f"{label}: {opts.warmup} untimed warmup call{'s' if opts.warmup > 1 else ''} ...")
                 t0 = time.perf_counter()
-                warmup(transformer, inputs, opts.warmup)
+                for _ in range(opts.warmup):
+                    sample_pipeline(pipe, dict(call, num_inference_steps=1, generator=_generator(opts.seed)), device)
                 echo(f"{label}: warmup done in {time.perf_counter() - t0:.1f}s")
             ex.reset_report()
             perf.reset_peak_memory(device)
-            bar, cb = progress(label)
-            try:
-                res = sample(transformer, inputs, opts.steps, on_step=cb)
-            finally:
-                if bar is not None:
-                    bar.close()
+            latents, total_s, steps_s = sample_pipeline(pipe, dict(call, generator=_generator(opts.seed)), device,
+                                                        progress=label if opts.progress else None)
             report = _api.normalize_report(ex.report(show=False)) if label == "patched" else {}
             runs[label] = {
-                "result": res,
+                "result": SamplingResult(latents, total_s, steps_s),
                 "report": report,
                 "peak": perf.peak_memory(device),
-                "md5": metrics.md5_tensor(res.latents),
+                "md5": metrics.md5_tensor(latents),
             }
     finally:
         if patch_summary is not None:
-            ex.unpatch(transformer)
+            ex.unpatch(pipe)
 
     eager, patched = runs["eager"], runs["patched"]
     equal = bool(torch.equal(eager["result"].latents, patched["result"].latents))
@@ -202,7 +197,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
 
     # files
     preview = out / "demo_latents.png"
-    latent_side_by_side(eager["result"].latents, patched["result"].latents).save(preview)
+    latent_side_by_side(image_latents(pipe, eager["result"].latents, height, width),
+                        image_latents(pipe, patched["result"].latents, height, width)).save(preview)
     perf_paths = {}
     for label, run in runs.items():
         res = run["result"]
@@ -245,8 +241,12 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         echo(f"result    DIFFERENT: final latents differ (max_abs {max_abs:.3g})")
     fused, fell_back, reasons = _api.summarize_report(patched["report"])
     echo(f"fused     {fused} fused op calls ran, {fell_back} fell back to eager ({_fmt_reasons(reasons)})")
-    for op, e in sorted(patched["report"].items()):
-        echo(f"  {op:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
+    for op, e in sorted(gate.grouped(patched["report"]).items()):
+        regions = f" ({e['regions']} regions)" if e["regions"] else ""
+        echo(f"  {op + regions:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
+    for graph in coverage.graphs():
+        for line in graph.lines():
+            echo(f"  {line}")
     if not patched["report"]:
         echo("  (exactdit.report() listed no ops)")
     if not on_gpu:
@@ -266,7 +266,65 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         "report": patched["report"],
         "files": [str(preview), str(perf_paths["eager"]), str(perf_paths["patched"])],
         "device": device.type,
+        "model": opts.model,
         "config": config,
         "dtype": dtname,
     }
     return summary, (0 if equal else 1)
+
+
+@dataclass
+class SamplingResult:
+    latents: torch.Tensor
+    total_s: float
+    step_times_s: list[float]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(int(seed))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None = None):
+    """One run of diffusers' pipeline to its final latents; returns (latents, total s, per-step s)."""
+    steps, marks = call["num_inference_steps"], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress, leave=False, unit="step")
+
+    def on_step(pipeline, i, t, kwargs):
+        _sync(device)
+        marks.append(time.perf_counter())
+        if bar is not None:
+            bar.update(1)
+        return kwargs
+
+    try:
+        with torch.no_grad():
+            _sync(device)
+            start = time.perf_counter()
+            images = pipe(**call, callback_on_step_end=on_step).images
+            _sync(device)
+            total = time.perf_counter() - start
+    finally:
+        if bar is not None:
+            bar.close()
+    latents = images if isinstance(images, torch.Tensor) else torch.stack([torch.as_tensor(x) for x in images])
+    steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
+    return latents, total, steps_s
+
+
+def image_latents(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[B, C, H, W] latents for the preview: packed token latents unpacked as the pipeline does,
+    the first frame of video latents."""
+    if latents.dim() == 3 and hasattr(pipe, "_unpack_latents"):
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    if latents.dim() == 5:
+        latents = latents[:, :, 0]
+    return latents if latents.dim() == 4 else latents.reshape(latents.shape[0], -1, 1, latents.shape[-1])

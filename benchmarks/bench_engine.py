@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import append_results, environment, write_json  # noqa: E402
 from exactdit.engine import coverage  # noqa: E402
 from exactdit.harness import models  # noqa: E402
 
@@ -140,6 +140,11 @@ def main() -> None:
     print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")
+    append_results([dict(model_or_op=f"{args.model} transformer forward ({args.config})",
+                         shape=f"{args.height}x{args.width} B={args.batch}", dtype="bf16", path=r["path"], ms=r["ms"],
+                         ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
+                         **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w")
+                            if k in r}) for r in rows], "benchmarks/bench_engine.py")
     write_json(f"bench_engine_{args.model}_{args.config}_b{args.batch}.json",
                {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})
 

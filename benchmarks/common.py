@@ -62,6 +62,35 @@ def write_json(name: str, payload: dict) -> str:
     return path
 
 
+#: fields of a row of benchmarks/results.jsonl (one JSON object per line; extra fields allowed)
+RESULT_FIELDS = ("model_or_op", "shape", "dtype", "path", "ms", "ratio", "ratio_kind", "equal", "gpu", "torch",
+                 "triton", "commit", "date", "source")
+
+
+def append_results(rows: list[dict], source: str) -> str:
+    """Append measurement rows to ``$OUT/results.jsonl`` in the results file's schema (the rows
+    are copied into benchmarks/results.jsonl after a device session)."""
+    import datetime
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        commit = None
+    env = environment()
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "results.jsonl")
+    with open(path, "a") as f:
+        for row in rows:
+            full = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"], "commit": commit,
+                    "date": datetime.date.today().isoformat(), "source": source, **row}
+            f.write(json.dumps({k: full.get(k) for k in RESULT_FIELDS} | {k: v for k, v in full.items()
+                                                                          if k not in RESULT_FIELDS}) + "\n")
+    return path
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     """A Markdown table of ``rows``."""
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731

@@ -240,11 +240,14 @@ def _clamp_emit(em, node, index):
     x = em.value(node.args[0], index)
     v = em.widen(x)
     y = v
-    # ATen: NaN stays NaN; otherwise min(max(x, lo), hi) with the bounds in opmath
+    # ATen's clamp_scalar: NaN stays NaN; r = (v < lo) ? lo : v; r = (hi < r) ? hi : r, the bounds
+    # in opmath (selects, not min/max: -0 and +0 keep the input's sign as ATen keeps it)
     if lo is not None:
-        y = em.code.let(f"tl.maximum({y}, {em.constant(float(lo), torch.float32).name})", "c")
+        k = em.constant(float(lo), torch.float32).name
+        y = em.code.let(f"tl.where({y} < {k}, {k}, {y})", "c")
     if hi is not None:
-        y = em.code.let(f"tl.minimum({y}, {em.constant(float(hi), torch.float32).name})", "c")
+        k = em.constant(float(hi), torch.float32).name
+        y = em.code.let(f"tl.where({k} < {y}, {k}, {y})", "c")
     return em.rounded(f"tl.where({v} != {v}, {v}, {y})", dtype_of(node), x.kind)
 
 

@@ -23,9 +23,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.common import append_results, environment, write_json  # noqa: E402
+from benchmarks.common import add_model_args, append_results, environment, model_and_inputs, outputs_equal, write_json  # noqa: E402,E501
 from exactdit.engine import coverage  # noqa: E402
-from exactdit.harness import models  # noqa: E402
 
 
 def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
@@ -72,20 +71,9 @@ def breakdown(forward) -> dict:
     return out
 
 
-def same(a, b) -> bool:
-    if isinstance(a, (list, tuple)):
-        return all(same(x, y) for x, y in zip(a, b))
-    return bool(torch.equal(a, b))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="flux")
-    ap.add_argument("--config", default="full")
-    ap.add_argument("--height", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--frames", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=1)
+    add_model_args(ap)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--mirror", action="store_true")
     ap.add_argument("--compile", action="store_true")
@@ -93,10 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     env = environment()
     t = time.perf_counter()
-    tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device="cuda")
+    tr, kw = model_and_inputs(args)
     print(f"built {args.model}/{args.config} in {time.perf_counter() - t:.1f} s", flush=True)
-    kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
-                               batch=args.batch)
     shape = f"{args.model}:{args.config} {args.height}x{args.width} B={args.batch}"
     rows = []
     eager_ms, ref = forward_ms(tr, kw, args.repeat)
@@ -106,7 +92,7 @@ def main() -> None:
     summary = exactdit.patch(tr)
     first = first_call_s(tr, kw)
     ms, out = forward_ms(tr, kw, args.repeat)
-    rows.append(dict(path="exactdit", ms=ms, equal=same(out, ref), first_call_s=first))
+    rows.append(dict(path="exactdit", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
     print(f"exactdit {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {summary}", flush=True)
     if args.breakdown:
         rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
@@ -125,7 +111,7 @@ def main() -> None:
         exactdit.patch(tr, mirror=True)
         first = first_call_s(tr, kw)
         ms, out = forward_ms(tr, kw, args.repeat)
-        rows.append(dict(path="mirror", ms=ms, equal=same(out, ref), first_call_s=first))
+        rows.append(dict(path="mirror", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"mirror {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
         exactdit.unpatch(tr)
     if args.compile:
@@ -133,7 +119,7 @@ def main() -> None:
         tr.compile_repeated_blocks(fullgraph=True)
         first = first_call_s(tr, kw)
         ms, out = forward_ms(tr, kw, args.repeat)
-        rows.append(dict(path="regional torch.compile", ms=ms, equal=same(out, ref), first_call_s=first))
+        rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
     for r in rows:
         r.update(model=shape, ratio_to_eager=eager_ms / r["ms"], **env)

@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from exactdit.harness.metrics import outputs_equal  # noqa: F401  (the benchmarks' equality)
+
 #: ERNIE-Image's production shapes at 1024x1024: tokens, hidden size, heads, head dim, FFN width.
 S, D, HEADS, HEAD_DIM, FFN = 4224, 4096, 32, 128, 12288
 
@@ -27,10 +29,24 @@ def graph_median_ms(fn, rep_ms: float = 200) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
-def outputs_equal(a, b) -> bool:
-    """``torch.equal`` of two op results, each a tensor or a tuple of tensors."""
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    return len(a) == len(b) and all(bool(torch.equal(x, y)) for x, y in zip(a, b))
+def add_model_args(ap) -> None:
+    """The command-line arguments that pick a registered model and one forward's geometry."""
+    ap.add_argument("--model", default="flux", help="a name of exactdit.harness.models")
+    ap.add_argument("--config", default="full")
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--frames", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=1)
+
+
+def model_and_inputs(args, dtype=torch.bfloat16, device="cuda"):
+    """(transformer, kwargs of one forward) for :func:`add_model_args`'s arguments."""
+    from exactdit.harness import models
+
+    tr = models.build_transformer(args.model, args.config, dtype=dtype, device=device)
+    kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
+                               batch=args.batch)
+    return tr, kw
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

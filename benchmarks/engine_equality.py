@@ -26,21 +26,14 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.common import environment, write_json  # noqa: E402
 from exactdit.harness import models  # noqa: E402
-from exactdit.harness.metrics import md5_tensor  # noqa: E402
+from exactdit.harness.metrics import md5_tensor, outputs_equal  # noqa: E402
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _forward(tr, kw):
-    with torch.no_grad():
-        return tr(**kw, return_dict=False)[0]
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(torch.equal(a, b))
+_forward = models.run_forward
+_equal = outputs_equal
 
 
 def forward_case(name, tr, height, width, batch) -> dict:

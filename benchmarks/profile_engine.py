@@ -23,12 +23,11 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import copy_bandwidth_gbs, environment, write_json  # noqa: E402
+from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
 from exactdit.engine.capture import NodeTimer, capture_graphs  # noqa: E402
 from exactdit.engine.coverage import is_gemm_or_attention  # noqa: E402
 from exactdit.engine.partition import _is_compute, find_regions  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
-from exactdit.harness import models  # noqa: E402
 
 
 def gpu_ms(fn) -> float:
@@ -59,18 +58,11 @@ def nbytes(t) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="flux")
-    ap.add_argument("--config", default="full")
-    ap.add_argument("--height", type=int, default=None)
-    ap.add_argument("--width", type=int, default=None)
-    ap.add_argument("--frames", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=1)
+    add_model_args(ap)
     args = ap.parse_args()
     os.environ["EXACTDIT_TRUST"] = "1"  # time the kernels; equality is bench_engine's job
     bandwidth = copy_bandwidth_gbs()
-    tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device="cuda")
-    kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
-                               batch=args.batch)
+    tr, kw = model_and_inputs(args)
     blocks = collections.Counter(type(m).__name__ for m in tr.modules()
                                  if type(m).__name__ in set(tr._repeated_blocks))
     graphs = capture_graphs(tr, kw)

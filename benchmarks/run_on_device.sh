@@ -6,10 +6,16 @@
 #   bash benchmarks/run_on_device.sh model     model benchmark + profile (bench_ernie.py, profile_ernie.py)
 #   bash benchmarks/run_on_device.sh ernie     equality + model
 #   bash benchmarks/run_on_device.sh ncu       Nsight Compute: throughput, stalls, instructions per kernel
+# The engine (exactdit.patch on any model; one 10-minute device call fits all five):
+#   engine-equality  Flux.1-dev forwards at 1024^2 B=1 and 768x1360 B=2, 28-step FluxPipeline md5, test configs
+#   engine-bench     Flux.1-dev 1024^2 B=1: eager, exactdit (kernel-time breakdown, clock, power), regional compile
+#   engine-tests     pytest -m gpu for the engine and the kernels it shares
+#   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
+#   engine-chroma    diffusers' Chroma test configs
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 EXACTDIT_CACHE=${EXACTDIT_CACHE:-/tmp/exactdit-cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -38,6 +44,21 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/profile_ernie.py 2>&1 | tee "$OUT/profile_ernie.log" | grep -v Warn | tail -40 ;;
     ernie)
       bash "$0" equality model ;;
+    engine-equality)
+      timeout 165 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
+        --sample-steps 28 --test-configs 2>&1 | grep -v Warn | tee "$OUT/flux_equality.log" | tail -8 ;;
+    engine-bench)
+      timeout 195 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
+        --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
+    engine-tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_gpu_layer_norm.py \
+        tests/test_gpu_rope.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
+    engine-ernie)
+      ERNIE_EQ_BUDGET_S=30 timeout 75 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | \
+        grep -E "md5|EQUAL|DIFFERENT|skipped" | tail -12 ;;
+    engine-chroma)
+      timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
+        tee "$OUT/chroma_equality.log" | tail -4 ;;
     ncu)
       timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \
         -k 'regex:^(rms_norm_kernel|norm_rope_kernel|geglu_kernel|layer_norm_kernel)$' -c 8 \

@@ -49,9 +49,9 @@ def test_index_bounds_and_broadcast():
 # --- op rules against CPU eager (pointwise regions are checked by the gate on the CPU) ---------
 
 
-def _region_run(build, inputs):
-    """Rewrite the graph ``build(b, *nodes)`` makes and run it: (fused outputs, eager outputs as
-    CUDA computes them)."""
+def _rewritten_run(build, inputs):
+    """Rewrite the graph ``build(b, *nodes)`` makes, run it (kernels in the interpreter) and
+    hold every output to the graph run as CUDA runs it; returns the coverage report."""
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
     gm = b.module(*build(b, *nodes))
@@ -59,7 +59,10 @@ def _region_run(build, inputs):
     report = rewrite(gm, "test")
     with trusted():
         out = gm(*inputs)
-    return out, ref, report
+    assert report.regions and not report.failed, report.lines()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    return report
 
 
 OPS = {
@@ -99,9 +102,7 @@ def test_pointwise_regions_equal_cpu_eager(name, shape, dtype):
     mod = rand((shape[0], shape[-1]), dtype, "cpu", g)
     if name == "clamp pow":
         x = x.clamp(-3, 3)
-    out, ref, report = _region_run(OPS[name], [x, u, mod])
-    assert report.regions, report.lines()
-    assert_bits_equal(out[0], ref[0], name)
+    _rewritten_run(OPS[name], [x, u, mod])
 
 
 def test_permuted_and_strided_inputs():
@@ -109,25 +110,10 @@ def test_permuted_and_strided_inputs():
     x = rand((9, 2, 64), torch.bfloat16, "cpu", g).permute(1, 0, 2)  # [S, B, D] seen as [B, S, D]
     u = rand((2, 18, 64), torch.bfloat16, "cpu", g)[:, ::2]
     mod = rand((2, 64), torch.bfloat16, "cpu", g)
-    out, ref, _ = _region_run(OPS["gated residual"], [x, u, mod])
-    assert_bits_equal(out[0], ref[0])
+    _rewritten_run(OPS["gated residual"], [x, u, mod])
 
 
 # --- reduction templates against CUDA's orders ----------------------------------------------------------
-
-
-def _cuda_order_check(build, inputs):
-    b = GraphBuilder()
-    nodes = [b.input(t) for t in inputs]
-    gm = b.module(*build(b, *nodes))
-    ref = CudaOrderInterpreter(gm).run(*inputs)
-    report = rewrite(gm, "test")
-    with trusted():
-        out = gm(*inputs)
-    assert report.regions and not report.failed, report.lines()
-    for o, r in zip(out, ref):
-        assert_bits_equal(o, r)
-    return report
 
 
 @pytest.mark.parametrize("width", [64, 96, 3072])
@@ -143,7 +129,7 @@ def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
         ln = b.op(aten.native_layer_norm.default, h, [width], w if affine else None, bias if affine else None, 1e-6)[0]
         return [h, OPS["modulate"](b, ln, x, mod)[0]]
 
-    report = _cuda_order_check(build, [x, u, mod, w, bias])
+    report = _rewritten_run(build, [x, u, mod, w, bias])
     assert any("layer_norm" in d for d, _ in report.regions.values())
 
 
@@ -162,7 +148,7 @@ def test_fused_rms_norm_cat_and_rope(head_dim):
         c = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, img, [1, 5, heads, head_dim]), [head_dim], w2, 1e-6)[0]
         return [_rope(b, b.op(aten.cat.default, [a, c], 1), table)]
 
-    report = _cuda_order_check(build, [txt, img, w1, w2, table])
+    report = _rewritten_run(build, [txt, img, w1, w2, table])
     assert "fused_rms_norm" in next(iter(report.regions.values()))[0]
 
 
@@ -182,7 +168,7 @@ def test_decomposed_rms_norm(width, rows):
 
     if width % 4 and width >= 128:
         pytest.skip("misaligned rows stay with ATen")
-    _cuda_order_check(build, [x, w])
+    _rewritten_run(build, [x, w])
 
 
 # --- captured blocks of every registered model -------------------------------------------------

@@ -11,19 +11,13 @@ import torch
 
 import exactdit
 from exactdit.harness import models
+from exactdit.harness.metrics import outputs_equal
 
 pytestmark = pytest.mark.gpu
 
 
-def _forward(tr, kw):
-    with torch.no_grad():
-        return tr(**kw, return_dict=False)[0]
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(torch.equal(a, b))
+_forward = models.run_forward
+_equal = outputs_equal
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

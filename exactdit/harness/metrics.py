@@ -22,6 +22,15 @@ def md5_tensor(t: torch.Tensor) -> str:
     return hashlib.md5(tensor_bytes(t)).hexdigest()
 
 
+def outputs_equal(a, b) -> bool:
+    """``torch.equal`` of two results: tensors, or (nested) tuples / lists of them (Z-Image returns
+    a list per image)."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(outputs_equal(x, y) for x, y in zip(a, b)))
+    return bool(torch.equal(a, b))
+
+
 def image_array(img) -> np.ndarray:
     """A PIL image / numpy array / [C,H,W] or [H,W,C] tensor as an HxWxC uint8 (or float) array."""
     if isinstance(img, np.ndarray):

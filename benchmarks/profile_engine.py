@@ -14,7 +14,7 @@ Writes ``profile_engine_<model>.json`` to ``$OUT``.
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
 import os
 import sys
 import time
@@ -24,9 +24,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
-from exactdit.engine.capture import NodeTimer, capture_graphs  # noqa: E402
-from exactdit.engine.coverage import is_gemm_or_attention  # noqa: E402
-from exactdit.engine.partition import _is_compute, find_regions  # noqa: E402
+from exactdit.engine import coverage  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 
 
@@ -63,53 +61,20 @@ def main() -> None:
     os.environ["EXACTDIT_TRUST"] = "1"  # time the kernels; equality is bench_engine's job
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    blocks = collections.Counter(type(m).__name__ for m in tr.modules()
-                                 if type(m).__name__ in set(tr._repeated_blocks))
-    graphs = capture_graphs(tr, kw)
-    # graphs of one class: the first serves that class's blocks, later ones (recaptures) none
-    seen: set = set()
-    total = collections.Counter()
-    rows, regions_out = [], []
-    for k, (cls, gm, inputs) in enumerate(graphs):
-        weight = blocks.get(cls, 1) if cls not in seen else 0
-        seen.add(cls)
-        timer = NodeTimer(gm)
-        ms = timer.timed(inputs)
-        partition = find_regions(gm, f"{cls}#{k}")
-        fused_nodes = {n for r in partition.regions for n in r.nodes}
-        other = {n: t for n, t in ms.items() if _is_compute(n) and not is_gemm_or_attention(n)}
-        gemm = sum(t for n, t in ms.items() if is_gemm_or_attention(n))
-        covered = sum(t for n, t in other.items() if n in fused_nodes)
-        fused_ms = 0.0
+    measured = coverage.measure(tr, kw)
+    print("\n".join(coverage.summary_lines([g for g, _, _ in measured])), flush=True)
+    regions_out = []
+    for graph, timer, partition in measured:
         for region in partition.regions:
             op = RegionOp(region)
             args_ = [timer.values[n] for n in region.inputs]
-            fused = gpu_ms(lambda: op(*args_))
-            eager = gpu_ms(lambda: op.reference(*args_))
-            host = call_us(lambda: op(*args_))
             floor = (nbytes(args_) + sum(nbytes(timer.values[n]) for n in region.outputs)) / bandwidth / 1e6
-            fused_ms += fused
-            regions_out.append(dict(graph=cls, region=region.name, kind=region.describe(), eager_ms=eager,
-                                    fused_ms=fused, floor_ms=floor, call_us=host, blocks=weight))
-        row = dict(graph=cls, blocks=weight, gemm_attention_ms=gemm, other_eager_ms=sum(other.values()),
-                   other_fused_away_ms=covered, regions_fused_ms=fused_ms,
-                   left_ms={str(n.target): t for n, t in other.items() if n not in fused_nodes})
-        rows.append(row)
-        for key in ("gemm_attention_ms", "other_eager_ms", "other_fused_away_ms", "regions_fused_ms"):
-            total[key] += row[key] * weight
-        print(f"{cls}: x{weight} GEMM+attention {gemm:.3f} ms, other eager {row['other_eager_ms']:.3f} ms, "
-              f"fused away {covered:.3f} ms ({100 * covered / max(row['other_eager_ms'], 1e-9):.1f}%), "
-              f"regions run {fused_ms:.3f} ms", flush=True)
-        left = collections.Counter()
-        for n, t in other.items():
-            if n not in fused_nodes:
-                left[str(n.target)] += t
-        for op_name, t in left.most_common(6):
-            print(f"    left: {op_name} {t:.3f} ms")
-    print(f"\nwhole model (blocks): GEMM+attention {total['gemm_attention_ms']:.1f} ms, other eager "
-          f"{total['other_eager_ms']:.1f} ms, fused away {total['other_fused_away_ms']:.1f} ms "
-          f"({100 * total['other_fused_away_ms'] / max(total['other_eager_ms'], 1e-9):.1f}%), "
-          f"regions run {total['regions_fused_ms']:.1f} ms; copy bandwidth {bandwidth:.0f} GB/s")
+            regions_out.append(dict(graph=graph.name, region=region.name, kind=region.describe(), blocks=graph.blocks,
+                                    eager_ms=gpu_ms(lambda: op.reference(*args_)), fused_ms=gpu_ms(lambda: op(*args_)),
+                                    floor_ms=floor, call_us=call_us(lambda: op(*args_))))
+    rows = [dataclasses.asdict(g) for g, _, _ in measured]
+    total = {"share": sum(g.fused_away_ms * g.blocks for g, _, _ in measured)
+             / max(sum(g.other_ms * g.blocks for g, _, _ in measured), 1e-9)}
     print("\n| region | blocks | eager us | fused us | floor us | x floor | call us |\n|---|---|---|---|---|---|---|")
     for r in sorted(regions_out, key=lambda r: -(r["fused_ms"] - r["floor_ms"]) * max(r["blocks"], 1)):
         print(f"| {r['region']} {r['kind']} | {r['blocks']} | {1e3 * r['eager_ms']:.1f} | {1e3 * r['fused_ms']:.1f} | "

@@ -140,6 +140,42 @@ def tiny_pipeline(out_dir, seed) -> None:
         raise _fail(exc) from None
 
 
+@main.command("coverage")
+@click.option("--model", type=click.Choice(MODEL_CHOICES), default="flux", show_default=True)
+@click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
+              help="Embedded model size [default: tiny on CPU, full on CUDA].")
+@click.option("--height", type=click.IntRange(min=1), default=None, help="[default: 64 for tiny, else production]")
+@click.option("--width", type=click.IntRange(min=1), default=None)
+@click.option("--frames", type=click.IntRange(min=1), default=None, help="Video models' frames.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+def coverage_command(model, config, height, width, frames, batch, device) -> None:
+    """What the engine fuses in a model: per captured block graph its regions, the ATen ops left and
+    why, and the share of eager's non-GEMM / non-attention time the regions replace (every op timed
+    eagerly, one by one: CUDA events on a GPU, wall clock on the CPU)."""
+    import torch
+
+    from exactdit.engine import coverage
+    from exactdit.harness import models
+    from exactdit.harness.demo import HarnessError, resolve_device
+
+    try:
+        dev = resolve_device(device)
+        config = config or ("full" if dev.type == "cuda" else "tiny")
+        small = config in ("tiny", "diffusers_test")
+        video = models.get_spec(model).video
+        tr = models.build_transformer(model, config, dtype=torch.bfloat16, device=dev)
+        kw = models.forward_inputs(model, tr, height=height or (64 if small else None),
+                                   width=width or (64 if small else None),
+                                   num_frames=frames or (5 if video and small else None), batch=batch)
+    except (HarnessError, ValueError) as exc:
+        raise _fail(exc) from None
+    measured = coverage.measure(tr, kw)
+    for graph, timer, partition in measured:
+        click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
+    click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))
+
+
 @main.command()
 def selfcheck() -> None:
     """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""

@@ -43,7 +43,7 @@ def assert_clean_error(res, code, *needles):
 def test_help_and_version():
     res = invoke("--help")
     assert res.exit_code == 0
-    for cmd in ("demo", "generate", "compare", "selfcheck", "tiny-pipeline"):
+    for cmd in ("demo", "generate", "compare", "selfcheck", "tiny-pipeline", "coverage"):
         assert cmd in res.output
     res = invoke("--version")
     assert res.exit_code == 0 and res.output.startswith("exactdit ")
@@ -58,6 +58,14 @@ def test_python_dash_m_entry_point():
 
 
 # --------------------------------------------------------------------------------------------- demo
+
+
+def test_coverage_lists_regions_and_the_fused_share():
+    res = invoke("coverage", "--model", "flux", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "graph FluxTransformerBlock" in res.output and "left to ATen" in res.output
+    share = float(res.output.split("fused")[-1].split("=")[1].split("%")[0])
+    assert 50 < share <= 100
 
 
 def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 import exactdit
 from exactdit import gate
-from exactdit.engine import coverage, make_backend, tables
+from exactdit.engine import coverage, tables
 from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, reshape_index
-from exactdit.engine.partition import find_regions
 from exactdit.harness import models
 from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, trusted
 from tests.helpers import assert_bits_equal, rand

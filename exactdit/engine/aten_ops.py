@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import (
-    FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Unfusable, Val, dtype_of, f32, shape_of,
+    FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Val, dtype_of, f32, shape_of,
 )
 from exactdit.engine.indexing import Index, Ix, broadcast_index, linearize, reshape_index
 

@@ -19,7 +19,6 @@ import logging
 import operator
 import time
 
-import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func

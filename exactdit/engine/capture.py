@@ -4,6 +4,7 @@ coverage numbers and the engine's tests and benchmarks are computed from."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.fx as fx
@@ -50,31 +51,39 @@ def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.G
 
 
 class NodeTimer(fx.Interpreter):
-    """Runs an ATen graph op by op on the GPU with a CUDA event pair around every op; keeps
-    every node's value (``values``) and its GPU time (``ms``, median over the runs)."""
+    """Runs an ATen graph op by op with a CUDA event pair around every op (wall clock on the
+    CPU); keeps every node's value (``values``) and its time in ms (median over the runs)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.values: dict[fx.Node, object] = {}
         self._events: dict[fx.Node, list] = {}
+        self._cuda = False
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
             out = super().run_node(n)
-        else:
+        elif self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = super().run_node(n)
             end.record()
             self._events.setdefault(n, []).append((start, end))
+        else:
+            start = time.perf_counter()
+            out = super().run_node(n)
+            self._events.setdefault(n, []).append((time.perf_counter() - start) * 1e3)
         self.values[n] = out
         return out
 
     def timed(self, inputs, runs: int = 3) -> dict[fx.Node, float]:
+        self._cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
         with torch.no_grad():
             self.run(*inputs)  # warm-up
             self._events.clear()
             for _ in range(runs):
                 self.run(*inputs)
+        if not self._cuda:
+            return {n: statistics.median(ev) for n, ev in self._events.items()}
         torch.cuda.synchronize()
         return {n: statistics.median(s.elapsed_time(e) for s, e in ev) for n, ev in self._events.items()}

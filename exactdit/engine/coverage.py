@@ -89,3 +89,66 @@ def graphs() -> list[GraphReport]:
 def reset() -> None:
     with _lock:
         _graphs.clear()
+
+
+@dataclasses.dataclass
+class GraphTime:
+    """Eager per-op time of one captured block graph, split by what the engine does with it."""
+
+    name: str
+    blocks: int  # blocks of the model this graph runs for (0 for a recapture of a class)
+    gemm_attention_ms: float
+    other_ms: float  # every other ATen kernel
+    fused_away_ms: float  # of ``other_ms``, the ops the engine's regions replace
+    left_ms: dict[str, float]  # of ``other_ms``, the ops left to ATen, by op
+
+    @property
+    def share(self) -> float:
+        return self.fused_away_ms / self.other_ms if self.other_ms else 1.0
+
+
+def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, object]]:
+    """Capture ``model``'s block graphs on one forward with ``kwargs``, time each ATen op of each
+    graph run eagerly op by op (CUDA events on the GPU), and split the time by what the engine
+    fuses. Returns [(GraphTime, the NodeTimer with every node's value, the partition)]."""
+    from exactdit.engine.capture import NodeTimer, capture_graphs
+    from exactdit.engine.partition import _is_compute, find_regions
+
+    blocks = collections.Counter(type(m).__name__ for m in model.modules()
+                                 if type(m).__name__ in set(getattr(model, "_repeated_blocks", ()) or ()))
+    seen: set = set()
+    out = []
+    for k, (cls, gm, inputs) in enumerate(capture_graphs(model, kwargs)):
+        weight = blocks.get(cls, 1) if cls not in seen else 0  # a recapture runs no further block
+        seen.add(cls)
+        node_timer = (timer or NodeTimer)(gm)
+        ms = node_timer.timed(inputs)
+        partition = find_regions(gm, f"{cls}#{k}")
+        fused = {n for r in partition.regions for n in r.nodes}
+        other = {n: t for n, t in ms.items() if _is_compute(n) and not is_gemm_or_attention(n)}
+        left = collections.Counter()
+        for n, t in other.items():
+            if n not in fused:
+                left[_op_name(n)] += t
+        out.append((GraphTime(cls, weight, sum(t for n, t in ms.items() if is_gemm_or_attention(n)),
+                              sum(other.values()), sum(t for n, t in other.items() if n in fused), dict(left)),
+                    node_timer, partition))
+    return out
+
+
+def summary_lines(times: list["GraphTime"]) -> list[str]:
+    """One line per graph and one for the model (graphs weighted by their blocks)."""
+    lines = []
+    total = collections.Counter()
+    for g in times:
+        lines.append(f"{g.name}: x{g.blocks} blocks, GEMM+attention {g.gemm_attention_ms:.3f} ms, other ATen "
+                     f"{g.other_ms:.3f} ms, of which fused {g.fused_away_ms:.3f} ms ({100 * g.share:.1f}%)")
+        for op, t in sorted(g.left_ms.items(), key=lambda kv: -kv[1])[:6]:
+            lines.append(f"    left to ATen: {op} {t:.3f} ms")
+        total["gemm"] += g.gemm_attention_ms * g.blocks
+        total["other"] += g.other_ms * g.blocks
+        total["fused"] += g.fused_away_ms * g.blocks
+    share = total["fused"] / total["other"] if total["other"] else 1.0
+    lines.append(f"model (blocks): GEMM+attention {total['gemm']:.1f} ms, other ATen {total['other']:.1f} ms, "
+                 f"fused {total['fused']:.1f} ms = {100 * share:.1f}% of the non-GEMM / non-attention time")
+    return lines

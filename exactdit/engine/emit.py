@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from exactdit.engine.indexing import Index, Ix, broadcast_index, offset_code
+from exactdit.engine.indexing import Index, broadcast_index, offset_code
 
 #: value shapes, ordered
 SCALAR, ROW, FULL = 0, 1, 2
@@ -79,6 +79,12 @@ def f32_bits(value: float) -> int:
     """The fp32 bit pattern of ``value`` rounded to fp32 (round to nearest even, as C++'s
     ``static_cast<float>(double)``)."""
     return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def f32_literal(value: float, shape: str = "[]") -> str:
+    """Generated code of ``value`` rounded to fp32, given by its bits (no parsing of a decimal
+    literal, no fp64 promotion of a Python float)."""
+    return f"tl.full({shape}, {f32_bits(value)}, tl.uint32).to(tl.float32, bitcast=True)"
 
 
 def f32(value: float) -> float:
@@ -290,9 +296,7 @@ class Emitter:
     def constant(self, value: float, dtype: torch.dtype, kind: int = SCALAR) -> Val:
         """A scalar operand as eager's CUDA kernels see it: rounded to fp32 (opmath) and, for a
         half-precision tensor value, to that dtype."""
-        bits = f32_bits(value)
-        expr = f"tl.full({self.shape(kind) or '[]'}, {bits}, tl.uint32).to(tl.float32, bitcast=True)"
-        v = self.let(expr, torch.float32, kind, "k")
+        v = self.let(f32_literal(value, self.shape(kind) or "[]"), torch.float32, kind, "k")
         return v if dtype == torch.float32 else self.rounded(v.name, dtype, kind)
 
 

@@ -8,8 +8,7 @@ import math
 
 import torch.fx as fx
 
-from exactdit.engine.emit import shape_of
-from exactdit.engine.indexing import Index, Ix
+from exactdit.engine.indexing import Index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +58,3 @@ class Region:
         ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in self.nodes
                       if n.op == "call_function"})
         return f"{self.kind}[{', '.join(ops)}]"
-
-
-def output_shapes(region: Region) -> list[tuple[int, ...]]:
-    return [shape_of(n) for n in region.outputs]

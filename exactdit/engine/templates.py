@@ -22,7 +22,7 @@ import math
 import torch
 import torch.fx as fx
 
-from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, is_wide, shape_of
+from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, f32_literal, is_wide, shape_of
 from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
@@ -408,12 +408,9 @@ def _row_form(row: Index, shape) -> Ix:
 
 
 def _eps32(node: fx.Node, position: int) -> str:
-    from exactdit.engine.emit import f32_bits
-
+    """A norm's ``eps`` argument as ATen's kernels take it: fp32 (``None``: fp32's epsilon)."""
     eps = node.args[position] if len(node.args) > position else None
-    if eps is None:
-        eps = torch.finfo(torch.float32).eps
-    return f"tl.full([], {f32_bits(float(eps))}, tl.uint32).to(tl.float32, bitcast=True)"
+    return f32_literal(torch.finfo(torch.float32).eps if eps is None else float(eps))
 
 
 def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
@@ -560,7 +557,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     bw, wy = cfg.block_width, cfg.warps_per_row
     code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bw.bit_length() - 1}, "
               f"{wy.bit_length() - 1}, {bool(cfg.vectorize_input)})")
-    code.line(f"mean_r = mul_rn(total, {_f32_code(factor)})[:, None]")
+    code.line(f"mean_r = mul_rn(total, {f32_literal(factor)})[:, None]")
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
     t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
@@ -573,12 +570,6 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
                                     whole_rows=tail >= width), stored=t.stored()), index)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // rows),), warps)
-
-
-def _f32_code(value: float) -> str:
-    from exactdit.engine.emit import f32_bits
-
-    return f"tl.full([], {f32_bits(value)}, tl.uint32).to(tl.float32, bitcast=True)"
 
 
 TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm": _fused_rms_norm, "mean": _mean}

@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from exactdit.aten_norms import layer_norm_order_model, rms_norm_order_model
+from exactdit.aten_norms import fma_f32, layer_norm_order_model, rms_norm_order_model
 from exactdit.aten_reduce import mean_lastdim_reference_order
 from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
 
@@ -48,7 +48,17 @@ def _div(a, b):
     return torch.div(a, b)
 
 
+def _mul(a, b):
+    """CUDA's complex64 multiply: ``re = fma(ar, br, -fl(ai*bi))``, ``im = fma(ar, bi, fl(ai*br))``."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_complex() and b.is_complex():
+        a, b = torch.broadcast_tensors(a, b)
+        ar, ai, br, bi = a.real.contiguous(), a.imag.contiguous(), b.real.contiguous(), b.imag.contiguous()
+        return torch.complex(fma_f32(ar, br, -(ai * bi)), fma_f32(ar, bi, ai * br))
+    return torch.mul(a, b)
+
+
 CUDA_ORDER = {
+    aten.mul.Tensor: _mul,
     aten.div.Tensor: _div,
     aten.mean.dim: _mean,
     aten.native_layer_norm.default: _layer_norm,

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import (
-    FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Val, dtype_of, f32, shape_of,
+    COMPLEX, FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Unfusable, Val, dtype_of, f32, shape_of,
 )
 from exactdit.engine.indexing import Index, Ix, broadcast_index, linearize, reshape_index
 
@@ -71,7 +71,7 @@ def why_not_fusable(node: fx.Node) -> str | None:
         return f"{_name(node)} does not produce one tensor"
     if val.numel() == 0:
         return "empty tensor"
-    if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES:
+    if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES + (COMPLEX,):
         return f"{_name(node)} produces {val.dtype}"
     if val.device.type not in ("cuda", "cpu"):
         return f"{val.device.type} tensors"
@@ -130,6 +130,8 @@ def _representable(value: float, dtype: torch.dtype) -> bool:
 
 def _binary(op: str) -> Rule:
     def check(node):
+        if dtype_of(node) == COMPLEX:
+            return _complex_mul_check(node) if op == "mul" else f"complex {op}"
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             return f"{op} with alpha={alpha}"
@@ -146,14 +148,36 @@ def _binary(op: str) -> Rule:
         out = dtype_of(node)
         a = em.operand(node, node.args[0], index)
         b = em.operand(node, node.args[1], index)
+        if out == COMPLEX:
+            return _complex_mul(em, a, b)
         if op == "div" and not isinstance(b, Val):
             # ATen divides by a CPU scalar as a multiply by its fp32 reciprocal
             return _fp32_binary(em, "mul", a, f32(1.0) / f32(b) if f32(b) != 0 else _div_by_zero(b), out)
         return _binary_values(em, op, a, b, out)
 
-    # CUDA divides by a scalar as a multiply by its reciprocal, the CPU divides
-    cuda_only = (lambda node: not isinstance(node.args[1], fx.Node)) if op == "div" else (lambda node: False)
+    # CUDA divides by a scalar as a multiply by its reciprocal, the CPU divides; CUDA's complex
+    # multiply is contracted into FMAs, the CPU's is not
+    if op == "div":
+        cuda_only = lambda node: not isinstance(node.args[1], fx.Node)  # noqa: E731
+    else:
+        cuda_only = lambda node: dtype_of(node) == COMPLEX  # noqa: E731
     return Rule(POINTWISE, emit, check, cuda_only)
+
+
+def _complex_mul_check(node) -> str | None:
+    if not all(isinstance(a, fx.Node) and dtype_of(a) == COMPLEX for a in node.args[:2]):
+        return "complex multiply with a real or Python operand"
+    return None
+
+
+def _complex_mul(em: Emitter, a: Val, b: Val) -> Val:
+    """complex64 ``a * b`` as ATen's CUDA kernel computes it (``c10::complex::operator*=``, nvcc
+    fusing the first product of each part): ``re = fma(ar, br, -fl(ai * bi))``,
+    ``im = fma(ar, bi, fl(ai * br))``."""
+    kind = max(a.kind, b.kind)
+    re = em.code.let(f"tl.fma({a.name}, {b.name}, -mul_rn({a.imag}, {b.imag}))", "re")
+    im = em.code.let(f"tl.fma({a.name}, {b.imag}, mul_rn({a.imag}, {b.name}))", "im")
+    return Val(re, COMPLEX, kind, im)
 
 
 def _div_by_zero(b: float) -> float:
@@ -422,6 +446,27 @@ def _slice_check(node):
 
 
 _register([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_rule(_reshape))
+
+
+def _view_as_complex(em, node, index):
+    x = node.args[0]
+    re, im = (em.value(x, index + (Ix.constant(k),)) for k in (0, 1))
+    if re.dtype != torch.float32:
+        raise Unfusable("view_as_complex of a non-fp32 tensor")
+    return Val(re.name, COMPLEX, max(re.kind, im.kind), im.name)
+
+
+def _view_as_real(em, node, index):
+    c = em.value(node.args[0], index[:-1])
+    k = index[-1]
+    if k.is_const:
+        return c.part(k.const)
+    kind = FULL if k.per_element else c.kind
+    return em.let(f"tl.where({k.code()} == 0, {c.name}, {c.imag})", torch.float32, max(kind, c.kind))
+
+
+_register([aten.view_as_complex.default], Rule(VIEW, _view_as_complex))
+_register([aten.view_as_real.default], Rule(VIEW, _view_as_real))
 _register([aten.unsqueeze.default], _view_rule(_unsqueeze))
 _register([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _view_rule(_squeeze))
 _register([aten.expand.default], _view_rule(_expand))

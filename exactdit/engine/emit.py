@@ -22,13 +22,15 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from exactdit.engine.indexing import Index, broadcast_index, offset_code
+from exactdit.engine.indexing import Index, Ix, broadcast_index, offset_code
 
 #: value shapes, ordered
 SCALAR, ROW, FULL = 0, 1, 2
 
 TL_DTYPE = {torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float32: "tl.float32", torch.bool: "tl.int1"}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: complex64 tensors are read through their fp32 view (``torch.view_as_real``: one more dim of 2)
+COMPLEX = torch.complex64
 
 
 class Unfusable(Exception):
@@ -38,11 +40,17 @@ class Unfusable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Val:
-    """A value in the generated code: variable name, torch dtype, tile shape class."""
+    """A value in the generated code: variable name, torch dtype, tile shape class. A complex64
+    value is two fp32 variables: ``name`` the real parts, ``imag`` the imaginary parts."""
 
     name: str
     dtype: torch.dtype
     kind: int
+    imag: str | None = None
+
+    def part(self, k: int) -> "Val":
+        """The real (0) or imaginary (1) parts of a complex value, as an fp32 value."""
+        return Val(self.imag if k else self.name, torch.float32, self.kind)
 
 
 @dataclasses.dataclass
@@ -183,6 +191,10 @@ class Emitter:
             val = gathered
         elif node in self.stored:
             val = self.load(self.stored[node], index, dtype_of(node))
+        elif node not in self.members and dtype_of(node) == COMPLEX:
+            op = self.input_operand(node)
+            re, im = (self.load(op, index + (Ix.constant(k),), torch.float32) for k in (0, 1))
+            val = Val(re.name, COMPLEX, max(re.kind, im.kind), im.name)
         elif node not in self.members:
             val = self.load(self.input_operand(node), index, dtype_of(node))
         else:
@@ -207,7 +219,7 @@ class Emitter:
         the domain (same row, same width)."""
         tile = self.tile
         column = tile.domain[-1]
-        if not tile.whole_rows or index[-1] == column or not index[-1].per_element:
+        if not tile.whole_rows or index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
             return None
         if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
             return None
@@ -232,7 +244,8 @@ class Emitter:
             if not isinstance(val, torch.Tensor):
                 raise Unfusable(f"{node} is not a tensor")
             k = len(self.loads)
-            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(val.dim())), is_wide(val))
+            rank = val.dim() + (1 if val.dtype == COMPLEX else 0)
+            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(rank)), is_wide(val))
             self.loads[node] = op
         return op
 

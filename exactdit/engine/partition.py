@@ -88,6 +88,7 @@ class _Group:
 class _Grouper:
     def __init__(self, graph: fx.Graph, candidates: set[fx.Node]):
         self.order = list(graph.nodes)
+        self.graph_outputs = set(next(n for n in self.order if n.op == "output").all_input_nodes)
         self.pos = {n: i for i, n in enumerate(self.order)}
         self.anc: dict[fx.Node, int] = {}
         for n in self.order:
@@ -106,6 +107,45 @@ class _Grouper:
                 return False
             e ^= low
         return True
+
+    def _bits(self, nodes) -> tuple[int, int]:
+        """(mask, external producers) of a set of nodes."""
+        mask = ext = 0
+        for n in nodes:
+            mask |= 1 << self.pos[n]
+            for p in _inputs(n):
+                ext |= 1 << self.pos[p]
+        return mask, ext & ~mask
+
+    def _with_prologue(self, red: fx.Node, near: list, bit: int, prod_bits: int, groups: list, group_of: dict):
+        """A new group for reduction ``red`` that could not join its producers' group (which has a
+        reduction of its own): the nodes of that group that only lead to ``red`` (its input chain,
+        e.g. the cast and square of a sandwich norm's second RMSNorm) move into the new group."""
+        moved: list[fx.Node] = []
+        for g in near:
+            members = set(g.nodes)
+            take = {red}
+            changed = True
+            while changed:
+                changed = False
+                for n in g.nodes:
+                    if n not in take and reduction_kind(n) is None and _users(n) and all(u in take for u in _users(n)) \
+                            and any(n is p for t in take for p in _inputs(t)) and n not in self.graph_outputs:
+                        take.add(n)
+                        changed = True
+            take.discard(red)
+            if take:
+                g.nodes = [n for n in g.nodes if n not in take]
+                g.mask, g.external = self._bits(g.nodes)
+                moved.extend(take)
+            del members
+        nodes = moved + [red]
+        mask, ext = self._bits(nodes)
+        group = _Group(nodes, mask, ext, 1)
+        groups.append(group)
+        for n in moved:
+            group_of[n] = group
+        return group
 
     def groups(self) -> list[_Group]:
         group_of: dict[fx.Node, _Group] = {}
@@ -142,7 +182,9 @@ class _Grouper:
                 if self._convex(mask, ext):
                     choice = (option, mask, ext & ~mask, reds, split)
                     break
-            if choice is None:
+            if choice is None and is_red:
+                g = self._with_prologue(v, near, bit, prod_bits, groups, group_of)
+            elif choice is None:
                 g = _Group([v], bit, prod_bits, is_red)
                 groups.append(g)
             else:

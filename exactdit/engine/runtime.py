@@ -56,6 +56,8 @@ class RegionOp:
         self._kernels: list | None = None
         self._plans: dict = {}
         self._table_cache: dict = {}
+        complex_inputs = [n.meta["val"].dtype == torch.complex64 for n in region.inputs]
+        self._complex_inputs = complex_inputs if any(complex_inputs) else None
         self._out_layout = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
                             for n in region.outputs]
         self.op = gate.FusedOp(
@@ -87,6 +89,8 @@ class RegionOp:
     def _fused(self, *inputs):
         device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else next(
             t.device for t in inputs if isinstance(t, torch.Tensor))
+        if self._complex_inputs:  # kernels read complex64 through its fp32 view
+            inputs = tuple(torch.view_as_real(t) if c else t for t, c in zip(inputs, self._complex_inputs))
         outs = []
         for shape, stride, dtype in self._out_layout:
             out = torch.empty_strided(shape, stride, dtype=dtype, device=device)

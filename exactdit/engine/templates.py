@@ -58,9 +58,15 @@ def _params(region: Region, inputs: list[fx.Node]) -> tuple[tuple, ...]:
     params = [("in", k) for k in range(len(inputs))]
     params += [("out", k) for k in range(len(region.outputs))]
     params += [("tab", k) for k in range(len(region.tables))]
-    params += [("in_stride", k, d) for k, n in enumerate(inputs) for d in range(len(shape_of(n)))]
+    params += [("in_stride", k, d) for k, n in enumerate(inputs) for d in range(_rank(n))]
     params += [("out_stride", k, d) for k, n in enumerate(region.outputs) for d in range(len(shape_of(n)))]
     return tuple(params)
+
+
+def _rank(node: fx.Node) -> int:
+    """Dims of the tensor a kernel reads for ``node``: complex64 through its fp32 view."""
+    val = node.meta["val"]
+    return val.dim() + (1 if val.dtype == torch.complex64 else 0)
 
 
 def _param_name(p: tuple) -> str:

@@ -141,7 +141,89 @@ def captured(call) -> list[tuple[JITFunction, dict, dict, dict, dict]]:
     return list(launches)
 
 
+def engine_launches():
+    """(label, kernel, signature, constexprs, options) of every kernel the engine generates for the
+    captured blocks of tiny Flux.1, Qwen-Image, ERNIE-Image and Wan graphs on the CPU (views, cats,
+    pieces, tables, complex RoPE, the LayerNorm and mean templates) and for a hand-built
+    ``_fused_rms_norm`` + RoPE graph (CPU captures decompose F.rms_norm); strides typed as the JIT
+    types the real launch (1 -> constant)."""
+    import operator
+
+    import torch.fx as fx
+
+    from exactdit.engine import kernel_source, tables
+    from exactdit.engine.capture import capture_graphs
+    from exactdit.engine.partition import find_regions
+    from exactdit.harness import models
+    from exactdit.numerics import LAUNCH_OPTIONS
+
+    graphs = []
+    for name in ("flux", "qwen", "ernie", "wan"):
+        tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16)
+        video = dict(num_frames=5) if models.get_spec(name).video else {}
+        kw = models.forward_inputs(name, tr, batch=2, height=32, width=32, **video)
+        graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw)]
+    # F.rms_norm per head on two streams, cat, interleaved RoPE (Flux's QK path on CUDA)
+    aten, g = torch.ops.aten, fx.Graph()
+
+    def node(target, *args, val):
+        n = g.call_function(target, args) if target else g.placeholder(f"x{len(g.nodes)}")
+        n.meta["val"] = val
+        return n
+
+    bf = torch.bfloat16
+    txt, img = node(None, val=torch.empty(1, 3, 256, dtype=bf)), node(None, val=torch.empty(1, 5, 256, dtype=bf))
+    w = node(None, val=torch.empty(128, dtype=bf))
+    normed = []
+    for x, s in ((txt, 3), (img, 5)):
+        v = node(aten.view.default, x, [1, s, 2, 128], val=torch.empty(1, s, 2, 128, dtype=bf))
+        r = node(aten._fused_rms_norm.default, v, [128], w, 1e-6, val=(torch.empty(1, s, 2, 128, dtype=bf),))
+        normed.append(node(operator.getitem, r, 0, val=torch.empty(1, s, 2, 128, dtype=bf)))
+    cat = node(aten.cat.default, normed, 1, val=torch.empty(1, 8, 2, 128, dtype=bf))
+    out = node(aten.mul.Tensor, cat, 2.0, val=torch.empty(1, 8, 2, 128, dtype=bf))
+    g.output((out,))
+    graphs.append(("fused_rms_norm", fx.GraphModule(torch.nn.Module(), g)))
+    spec = tables.TableSpec(15179, 2048, 65536, 65536, 0, 163840, 281472820903935, 32640)
+    for name, gm in graphs:
+        for region in find_regions(gm, name).regions:
+            for k in region.kernels:
+                fn = kernel_source.load(k.source)
+                sig, consts = {}, dict(k.constexprs)
+                for j in range(len(region.tables)):
+                    consts.update(spec.constexprs(f"tab{j}"))
+                for p, arg in zip(k.params, fn.arg_names):
+                    if p[0] in ("in", "out"):
+                        node_ = k.inputs[p[1]] if p[0] == "in" else region.outputs[p[1]]
+                        dt = node_.meta["val"].dtype
+                        sig[arg] = "*" + _DTYPES[torch.float32 if dt == torch.complex64 else dt]
+                    elif p[0] == "tab":
+                        sig[arg] = "*i16"
+                    else:
+                        node_ = k.inputs[p[1]] if p[0] == "in_stride" else region.outputs[p[1]]
+                        v = node_.meta["val"]
+                        if v.dtype == torch.complex64:
+                            v = torch.view_as_real(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
+                        sig[arg] = "constexpr" if v.stride()[p[2]] == 1 else "i32"
+                        if v.stride()[p[2]] == 1:
+                            consts[arg] = 1
+                for arg in fn.arg_names:
+                    if arg in consts:
+                        sig[arg] = "constexpr"
+                options = dict(num_warps=k.num_warps, **LAUNCH_OPTIONS)
+                yield f"engine {region.name} {region.describe()}", fn, sig, consts, options
+
+
 def main(archs: list[int]) -> None:
+    if "--engine" in sys.argv:
+        for label, fn, sig, consts, options in engine_launches():
+            row = {"case": label, "kernel": "region_kernel", "arch": 90}
+            try:
+                ptx = compile_launch(fn, sig, consts, options, {}, 90).asm["ptx"]
+                row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+            print(json.dumps(row), flush=True)
+        return
     for label, dtype, call in cases():
         for kernel, signature, constexprs, options, attrs in captured(call):
             for arch in archs:
@@ -156,4 +238,4 @@ def main(archs: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [90])
+    main([int(a) for a in sys.argv[1:] if a.isdigit()] or [90])

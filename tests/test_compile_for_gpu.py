@@ -107,3 +107,21 @@ def test_sass_counts_tool():
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+_kernel)\s+(\d+) SASS", proc.stdout)}
     assert set(counts) >= {"rms_norm_kernel", "norm_rope_kernel", "geglu_kernel", "layer_norm_kernel"}, proc.stdout
     assert all(n > 100 for n in counts.values()), proc.stdout
+
+
+def test_engine_kernels_compile_without_flush_to_zero():
+    """Every kernel the engine generates for tiny Flux.1, Qwen-Image, ERNIE-Image and Wan blocks
+    (and an F.rms_norm + RoPE graph) compiles for sm_90; none flushes subnormals (ATen does not)
+    and ``rsqrt`` is the non-ftz approximation."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "compile_for_gpu.py"), "--engine"],
+        capture_output=True, text=True, timeout=1200, env=_compiler_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 20, proc.stderr[-3000:]
+    failures = [f"{r['case']}: {r['error']}" for r in rows if not r["ok"]]
+    assert not failures, "\n\n".join(failures)
+    assert any("fused_rms_norm" in r["case"] for r in rows) and any("layer_norm" in r["case"] for r in rows)
+    for r in rows:
+        assert r["ptx"]["ftz"] == 0 and r["ptx"]["rsqrt_approx_ftz"] == 0, r["case"]

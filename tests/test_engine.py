@@ -217,6 +217,19 @@ def test_a_wrong_region_is_disabled_and_eager_returned(monkeypatch):
     assert_bits_equal(gm(*inputs)[0], ref[0])  # stays eager
 
 
+def test_repeated_pure_ops_are_computed_once_and_random_ones_not():
+    from exactdit.engine.backend import dedupe
+
+    b = GraphBuilder()
+    x = b.input(torch.randn(4, 8))
+    a1, a2 = b.op(aten.silu.default, x), b.op(aten.silu.default, x)
+    r1, r2 = b.op(aten.rand_like.default, x), b.op(aten.rand_like.default, x)
+    gm = b.module(b.op(aten.add.Tensor, a1, a2), r1, r2)
+    assert dedupe(gm.graph) == 1
+    assert [n.target for n in gm.graph.nodes].count(aten.silu.default) == 1
+    assert [n.target for n in gm.graph.nodes].count(aten.rand_like.default) == 2
+
+
 def test_registered_backend_compiles_a_function():
     def f(x, g):
         return x + g * 2.0 * x

@@ -36,12 +36,56 @@ def rewrite(gm: fx.GraphModule, label: str) -> coverage.GraphReport:
     """Replace the regions of ``gm`` (an ATen graph) by fused calls. The new graph is built
     beside the old one and swapped in only when complete."""
     start = time.perf_counter()
+    dedupe(gm.graph)
     partition = find_regions(gm, prefix=label)
     report = coverage.GraphReport.of(label, gm, partition)
     gm.graph = _rewritten(gm.graph, partition.regions)
     gm.recompile()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def dedupe(graph: fx.Graph) -> int:
+    """Compute each ATen op once per distinct (op, arguments): blocks often repeat a pure op on
+    the same inputs (``silu(temb)`` for both of Flux's streams, ERNIE-Image's RoPE ``cos`` /
+    ``sin`` for q and for k). A deterministic op on the same inputs gives the same bits, so the
+    second call is the first's value. Ops with side effects, randomness or bitwise
+    nondeterminism are left alone. Returns the number of nodes removed."""
+    seen: dict = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _pure(node.target):
+            continue
+        try:
+            key = (node.target, _freeze(node.args), _freeze(node.kwargs))
+            first = seen.setdefault(key, node)
+        except TypeError:  # an unhashable argument
+            continue
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def _pure(target) -> bool:
+    import torch
+
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    banned = (torch.Tag.nondeterministic_seeded, getattr(torch.Tag, "nondeterministic_bitwise", None))
+    return not target._schema.is_mutable and not any(t in target.tags for t in banned if t is not None)
+
+
+def _freeze(value):
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__,) + tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    hash(value)
+    return value
 
 
 def _rewritten(old: fx.Graph, regions) -> fx.Graph:

@@ -68,6 +68,13 @@ def _users(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)) and val and isinstance(val[0], torch.Tensor):
+        val = val[0]  # a reduction's tuple: its main output
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
 def _inputs(node: fx.Node) -> list[fx.Node]:
     """A node's inputs, looking through ``split`` / ``unbind`` (views that return lists): a
     getitem of one reads the list op's input."""
@@ -158,10 +165,19 @@ class _Grouper:
             for p in _inputs(v):
                 prod_bits |= 1 << self.pos[p]
             is_red = 1 if reduction_kind(v) is not None else 0
+            # a smaller operand (a broadcast table or modulation vector) does not pull its consumer into
+            # its group when a full-size operand's group can take it, unless nothing else uses it: two
+            # chains sharing a cos table stay two regions (the table computed once), a `1 + scale`
+            # only v reads is recomputed in v's region; statistics still join their reduction
+            producers = [p for p in _inputs(v) if p in group_of]
+            full = [p for p in producers if _numel(p) >= _numel(v)]
+            if full:
+                full += [p for p in producers if p not in full and all(
+                    u is v or u in group_of[p].nodes for n in group_of[p].nodes for u in _users(n))]
             near = []
-            for p in _inputs(v):
-                g = group_of.get(p)
-                if g is not None and all(g is not h for h in near):
+            for p in full or producers:
+                g = group_of[p]
+                if all(g is not h for h in near):
                     near.append(g)
             choice = None
             options = [near] + [[g] for g in sorted(near, key=lambda g: -len(g.nodes))] if near else []

@@ -60,6 +60,7 @@ class RegionOp:
         self._complex_inputs = complex_inputs if any(complex_inputs) else None
         self._out_layout = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
                             for n in region.outputs]
+        self._out_strides = [stride for _, stride, _ in self._out_layout]
         self.op = gate.FusedOp(
             name=region.name,
             reference=self._reference,
@@ -97,9 +98,10 @@ class RegionOp:
             if gate.poison_outputs():
                 out.view(_INT_VIEW[dtype]).fill_(_POISON[dtype])
             outs.append(out)
-        sources = (inputs, outs, self._tables(device)[0])
+        tensors = (inputs, outs, self._tables(device)[0])
+        strides = ([t.stride() for t in inputs], self._out_strides)
         for launch in self._launches(device):
-            args = [sources[kind][i] if d < 0 else sources[kind][i].stride(d) for kind, i, d in launch.params]
+            args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in launch.params]
             launch.fn[launch.grid](*args, **launch.kwargs)
         return tuple(outs)
 

@@ -92,12 +92,10 @@ class RegionOp:
             t.device for t in inputs if isinstance(t, torch.Tensor))
         if self._complex_inputs:  # kernels read complex64 through its fp32 view
             inputs = tuple(torch.view_as_real(t) if c else t for t, c in zip(inputs, self._complex_inputs))
-        outs = []
-        for shape, stride, dtype in self._out_layout:
-            out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            if gate.poison_outputs():
-                out.view(_INT_VIEW[dtype]).fill_(_POISON[dtype])
-            outs.append(out)
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
+        if gate.poison_outputs():
+            for out in outs:
+                out.view(_INT_VIEW[out.dtype]).fill_(_POISON[out.dtype])
         tensors = (inputs, outs, self._tables(device)[0])
         strides = ([t.stride() for t in inputs], self._out_strides)
         for launch in self._launches(device):

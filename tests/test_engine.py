@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 import exactdit
@@ -228,6 +229,28 @@ def test_repeated_pure_ops_are_computed_once_and_random_ones_not():
     assert dedupe(gm.graph) == 1
     assert [n.target for n in gm.graph.nodes].count(aten.silu.default) == 1
     assert [n.target for n in gm.graph.nodes].count(aten.rand_like.default) == 2
+
+
+def test_a_region_reads_an_empty_cat_piece_it_never_loads():
+    # x_in[..., rot_dim:] is empty when RoPE covers the whole head (ERNIE-Image); under context
+    # parallelism it slices a graph input, which the region's ATen reference must still receive
+    def build(b, x, w, passed):
+        y = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, w), x)
+        rest = b.op(aten.slice.Tensor, passed, 1, 8, 9223372036854775807)
+        return (b.op(aten.mul.Tensor, b.op(aten.cat.default, [y, rest], -1), 2.0),)
+
+    _rewritten_run(build, [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)])
+
+
+def test_collectives_are_neither_merged_nor_reordered():
+    from exactdit.engine.backend import _effectful, _pure
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    c10d = torch.ops._c10d_functional
+    for target in (c10d.all_to_all_single.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default):
+        assert not _pure(target) and _effectful(g.call_function(target, (x,)))
+    assert _pure(aten.mul.Tensor) and not _effectful(g.call_function(aten.mul.Tensor, (x, x)))
 
 
 def test_registered_backend_compiles_a_function():

@@ -31,6 +31,9 @@ logger = logging.getLogger("exactdit")
 
 _graph_ids = itertools.count()
 
+#: namespaces of distributed collectives: side effects across ranks, whatever their schemas say
+_COLLECTIVES = ("_c10d_functional", "c10d_functional", "c10d")
+
 
 def rewrite(gm: fx.GraphModule, label: str) -> coverage.GraphReport:
     """Replace the regions of ``gm`` (an ATen graph) by fused calls. The new graph is built
@@ -76,7 +79,20 @@ def _pure(target) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     banned = (torch.Tag.nondeterministic_seeded, getattr(torch.Tag, "nondeterministic_bitwise", None))
-    return not target._schema.is_mutable and not any(t in target.tags for t in banned if t is not None)
+    if target._schema.is_mutable or target.namespace in _COLLECTIVES:
+        return False
+    return not any(t in target.tags for t in banned if t is not None)
+
+
+def _effectful(node: fx.Node) -> bool:
+    import torch
+
+    target = node.target
+    if node.op != "call_function" or target is operator.getitem:
+        return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return target._schema.is_mutable or target.namespace in _COLLECTIVES
 
 
 def _freeze(value):
@@ -110,6 +126,11 @@ def _rewritten(old: fx.Graph, regions) -> fx.Graph:
     for u in units:
         inputs = u.inputs if u in regions else u.all_input_nodes
         needs[u] = {unit_of(n) for n in inputs} - {u}
+    # collectives and other side effects keep their captured order: every rank must issue the
+    # same collectives in the same sequence, whatever its local shapes made of its regions
+    effects = [u for u in units if u not in regions and _effectful(u)]
+    for before, after in zip(effects, effects[1:]):
+        needs[after].add(before)
     users: dict = {u: [] for u in units}
     for u, deps in needs.items():
         for d in deps:

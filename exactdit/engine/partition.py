@@ -299,6 +299,8 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     inputs: list[fx.Node] = []
     for k in kernels:
         inputs.extend(n for n in k.inputs if n not in inputs)
+    # values no kernel loads (an empty cat piece) are still read by the region's ATen reference
+    inputs.extend(p for n in g.nodes for p in _inputs(n) if p not in members and p not in inputs)
     region.inputs = inputs
     region.kernels = kernels
     return region, set(), None

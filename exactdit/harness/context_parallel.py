@@ -1,0 +1,99 @@
+"""One rank of a context-parallel comparison: exactdit + diffusers' context parallelism against the
+unpatched transformer under the same parallel config, on every rank.
+
+Used by ``tests/test_context_parallel.py`` (two CPU processes over gloo) and
+``benchmarks/bench_context_parallel.py`` (``torchrun`` on GPUs, NCCL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+#: parallel modes: keyword arguments of diffusers' ContextParallelConfig for a world of ``n`` ranks
+MODES = {
+    "ulysses": lambda n: dict(ulysses_degree=n),
+    "ring": lambda n: dict(ring_degree=n),
+    "ulysses-anything": lambda n: dict(ulysses_degree=n, ulysses_anything=True),
+}
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Joins the process group torchrun (or the caller's environment) describes: (rank, world
+    size, this rank's device). NCCL and one GPU per rank where CUDA is present, else gloo on CPU."""
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, dist.get_world_size(), device
+
+
+def parallel_config(mode: str, world: int, device: torch.device):
+    """diffusers' ContextParallelConfig for ``mode`` over all ranks. On CPU its device mesh is
+    built here: diffusers builds it on the accelerator and divides by the accelerator count."""
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(**MODES[mode](world))
+    if device.type == "cpu":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        config.mesh = init_device_mesh("cpu", config.mesh_shape, mesh_dim_names=config.mesh_dim_names)
+        if torch.accelerator.device_count() == 0:  # diffusers computes rank % device_count
+            torch.accelerator.device_count = lambda: 1
+    return config
+
+
+@dataclasses.dataclass
+class Comparison:
+    model: str
+    mode: str
+    order: str
+    equal: bool  # on this rank
+    fused_regions: int  # region calls that ran fused, plus verified signatures
+    failed_graphs: list  # captured graphs the engine could not rewrite (they ran as captured)
+    shape: tuple
+
+
+def compare(model: str, config: str = "tiny", *, mode: str = "ulysses", order: str = "patch-last",
+            device: torch.device | str = "cpu", dtype=torch.bfloat16, seed: int = 0, **geometry) -> Comparison:
+    """Builds ``model`` (same seeded weights on every rank), enables context parallelism with
+    exactdit's plan where diffusers has none, and compares one forward patched and unpatched.
+
+    ``order``: "patch-last" (enable_parallelism, eager forward, patch, forward) or "patch-first"
+    (patch, enable_parallelism, forward, unpatch, eager forward)."""
+    import exactdit
+    from exactdit.harness import models
+    from exactdit.parallel import enable_context_parallel
+
+    world = dist.get_world_size()
+    device = torch.device(device)
+    tr = models.build_transformer(model, config, dtype=dtype, device=device, seed=seed)
+    kw = models.forward_inputs(model, tr, batch=1, seed=seed + 1, **geometry)
+    cp = parallel_config(mode, world, device)
+    with torch.no_grad():
+        if order == "patch-first":
+            exactdit.patch(tr)
+            enable_context_parallel(tr, cp)
+            out = tr(**kw, return_dict=False)[0]
+            exactdit.unpatch(tr)
+            ref = tr(**kw, return_dict=False)[0]
+        else:
+            enable_context_parallel(tr, cp)
+            ref = tr(**kw, return_dict=False)[0]
+            exactdit.patch(tr)
+            out = tr(**kw, return_dict=False)[0]
+            exactdit.unpatch(tr)
+    from exactdit.engine import coverage
+
+    report = exactdit.report(show=False)
+    fused = sum(v["fused"] + len(v["verified"]) for k, v in report.items() if k.startswith(type(tr).__name__))
+    failed = [f"{g.name}: {g.failed}" for g in coverage.graphs() if g.failed]
+    return Comparison(model, mode, order, torch.equal(out, ref), fused, failed, tuple(out.shape))

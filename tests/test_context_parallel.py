@@ -1,0 +1,99 @@
+"""exactdit under diffusers' context parallelism: two CPU processes over gloo, Ulysses attention.
+
+Each case compares, on both ranks, the patched transformer with the unpatched one under the same
+parallel config (exactdit.harness.context_parallel.compare). Ring attention needs an attention
+backend that returns the log-sum-exp (CUDA only) and uneven shards need gloo's missing uneven
+all-gather, so those run in benchmarks/bench_context_parallel.py on GPUs.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from exactdit.parallel import CP_PLANS, context_parallel_plan
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, result_dir: str, cases: list) -> None:
+    import torch.distributed as dist
+
+    from exactdit import gate
+    from exactdit.engine import coverage
+    from exactdit.harness.context_parallel import compare
+    from exactdit.patches import engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = []
+        for model, order, geometry in cases:
+            gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
+            c = compare(model, mode="ulysses", order=order, seed=3, **geometry)
+            results.append(dict(model=model, order=order, equal=c.equal, fused=c.fused_regions,
+                                failed=c.failed_graphs))
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cases, tmp_path) -> list[list[dict]]:
+    mp.spawn(_rank, args=(_free_port(), str(tmp_path), cases), nprocs=WORLD)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+IMAGE = dict(height=64, width=64)
+CASES = [
+    ("flux", "patch-last", IMAGE),
+    ("flux", "patch-first", IMAGE),
+    ("qwen", "patch-last", IMAGE),
+    ("wan", "patch-last", dict(height=32, width=32, num_frames=5)),
+    ("ernie", "patch-last", IMAGE),  # exactdit's plan
+    ("ernie", "patch-first", IMAGE),
+]
+
+
+def test_patched_blocks_match_unpatched_under_ulysses_on_every_rank(tmp_path):
+    per_rank = _run(CASES, tmp_path)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(CASES)
+        for r in results:
+            assert r["equal"], f"rank {rank}: {r}"
+            assert r["fused"] > 0, f"rank {rank}: no region ran through the engine: {r}"
+            assert not r["failed"], f"rank {rank}: graphs the engine could not rewrite: {r}"
+
+
+def test_plans_come_from_diffusers_first_then_exactdit():
+    from exactdit.harness import models
+
+    flux = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=0)
+    ernie = models.build_transformer("ernie", "tiny", dtype=torch.bfloat16, seed=0)
+    zimage = models.build_transformer("zimage", "tiny", dtype=torch.bfloat16, seed=0)
+    assert context_parallel_plan(flux) is type(flux)._cp_plan
+    assert context_parallel_plan(ernie) is CP_PLANS["ErnieImageTransformer2DModel"]
+    with pytest.raises(ValueError, match="ZImageTransformer2DModel has no context-parallel plan"):
+        context_parallel_plan(zimage)
+
+
+def test_ernie_plan_names_the_arguments_diffusers_passes():
+    """The split hook finds arguments by name in the block's forward signature: a renamed
+    argument in a later diffusers would silently not be split, so check the names here."""
+    import inspect
+
+    from diffusers.models.transformers.transformer_ernie_image import ErnieImageSharedAdaLNBlock
+
+    params = inspect.signature(ErnieImageSharedAdaLNBlock.forward).parameters
+    plan = CP_PLANS["ErnieImageTransformer2DModel"]
+    for key in ("layers.0", "layers.*"):
+        assert set(plan[key]) <= set(params), key

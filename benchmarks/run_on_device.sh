@@ -12,6 +12,9 @@
 #   engine-tests     pytest -m gpu for the engine and the kernels it shares
 #   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
 #   engine-chroma    diffusers' Chroma test configs
+# Context parallelism (device kind nvidia-h200-x2):
+#   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
+#                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
@@ -59,6 +62,12 @@ for stage in "$@"; do
     engine-chroma)
       timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
         tee "$OUT/chroma_equality.log" | tail -4 ;;
+    cp)
+      for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
+                  "--model ernie --height 1024 --width 1024"; do
+        timeout 420 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --config full $args --repeat 5 \
+          2>&1 | grep -E "^\||GPU|skipped|x2" | tee -a "$OUT/context_parallel.log"
+      done ;;
     ncu)
       timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \
         -k 'regex:^(rms_norm_kernel|norm_rope_kernel|geglu_kernel|layer_norm_kernel)$' -c 8 \

@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, result_dir: str, cases: list) -> None:
         results = []
         for model, order, geometry in cases:
             gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
-            c = compare(model, mode="ulysses", order=order, seed=3, **geometry)
+            c = compare(model, mode="ulysses", order=order, seed=3, batch=1, **geometry)
             results.append(dict(model=model, order=order, equal=c.equal, fused=c.fused_regions,
                                 failed=c.failed_graphs))
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:

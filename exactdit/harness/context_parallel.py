@@ -8,6 +8,7 @@ Used by ``tests/test_context_parallel.py`` (two CPU processes over gloo) and
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 
 import torch
@@ -26,7 +27,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     size, this rank's device). NCCL and one GPU per rank where CUDA is present, else gloo on CPU."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend)
+        # rank 0 may work alone for minutes (a 1-GPU baseline) while the others wait
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     rank = dist.get_rank()
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -62,22 +64,33 @@ class Comparison:
     shape: tuple
 
 
+def prepare(model: str, config: str = "tiny", *, mode: str = "ulysses", device: torch.device | str = "cpu",
+            dtype=torch.bfloat16, seed: int = 0, attention_backend: str | None = None, **geometry):
+    """(transformer, kwargs of one forward, its ContextParallelConfig): ``model`` built with the
+    same seeded weights on every rank, its attention backend set where given (ring attention needs
+    one that returns the log-sum-exp, e.g. "_native_cudnn")."""
+    from exactdit.harness import models
+
+    device = torch.device(device)
+    tr = models.build_transformer(model, config, dtype=dtype, device=device, seed=seed)
+    if attention_backend:
+        tr.set_attention_backend(attention_backend)
+    kw = models.forward_inputs(model, tr, seed=seed + 1, **geometry)
+    return tr, kw, parallel_config(mode, dist.get_world_size(), device)
+
+
 def compare(model: str, config: str = "tiny", *, mode: str = "ulysses", order: str = "patch-last",
-            device: torch.device | str = "cpu", dtype=torch.bfloat16, seed: int = 0, **geometry) -> Comparison:
-    """Builds ``model`` (same seeded weights on every rank), enables context parallelism with
-    exactdit's plan where diffusers has none, and compares one forward patched and unpatched.
+            **build) -> Comparison:
+    """One forward of ``model`` (:func:`prepare`) patched and unpatched under the same context
+    parallel config, with exactdit's plan where diffusers has none.
 
     ``order``: "patch-last" (enable_parallelism, eager forward, patch, forward) or "patch-first"
     (patch, enable_parallelism, forward, unpatch, eager forward)."""
     import exactdit
-    from exactdit.harness import models
+    from exactdit.engine import coverage
     from exactdit.parallel import enable_context_parallel
 
-    world = dist.get_world_size()
-    device = torch.device(device)
-    tr = models.build_transformer(model, config, dtype=dtype, device=device, seed=seed)
-    kw = models.forward_inputs(model, tr, batch=1, seed=seed + 1, **geometry)
-    cp = parallel_config(mode, world, device)
+    tr, kw, cp = prepare(model, config, mode=mode, **build)
     with torch.no_grad():
         if order == "patch-first":
             exactdit.patch(tr)
@@ -91,8 +104,6 @@ def compare(model: str, config: str = "tiny", *, mode: str = "ulysses", order: s
             exactdit.patch(tr)
             out = tr(**kw, return_dict=False)[0]
             exactdit.unpatch(tr)
-    from exactdit.engine import coverage
-
     report = exactdit.report(show=False)
     fused = sum(v["fused"] + len(v["verified"]) for k, v in report.items() if k.startswith(type(tr).__name__))
     failed = [f"{g.name}: {g.failed}" for g in coverage.graphs() if g.failed]

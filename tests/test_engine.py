@@ -305,6 +305,39 @@ def test_a_block_the_engine_cannot_capture_runs_eager_with_the_reason():
     assert any("not captured" in r for r in reasons)
 
 
+def test_first_block_cache_head_runs_eager_and_the_other_blocks_are_captured():
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 3, "num_single_layers": 2}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in (7, 7, 8)]
+    apply_first_block_cache(tr, FirstBlockCacheConfig(threshold=0.3))
+
+    def denoise():  # the second call repeats the first input: the cache skips the other blocks
+        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
+        with torch.no_grad(), tr.cache_context("cond"):
+            return [tr(**kw, return_dict=False)[0] for kw in calls]
+
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the head block's torch.compiler.disable
+        out = denoise()
+    exactdit.unpatch(tr)
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    rep = exactdit.report(show=False)
+    head = rep["engine.FluxTransformer2DModel.FluxTransformerBlock"]
+    assert head["eager"] == len(calls) and all("not captured" in r for r in head["eager_reasons"])
+    # blocks 1 and 2 ran through the captured graph on the two uncached calls
+    def runs(block):  # calls of each captured graph's first region
+        return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
+
+    assert runs("FluxTransformerBlock") == 4
+    assert runs("FluxSingleTransformerBlock") == 4  # the cache's tail block has a graph of its own
+
+
 def test_tables_reproduce_eager_on_every_input():
     for fn in (torch.tanh, F.silu, lambda x: F.gelu(x, approximate="tanh")):
         for dtype in (torch.bfloat16, torch.float16):

@@ -8,7 +8,9 @@ runs the rewritten graph. Parameters, state_dict, hooks and the module tree are 
 ``module._compiled_call_impl`` is set (as ``nn.Module.compile`` does), and ``unpatch`` clears it.
 
 A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs diffusers'
-code; the reason is warned once per class and counted in ``exactdit.report()``. With autograd
+code; the reason is warned once and counted in ``exactdit.report()``. When the class's own
+forward fails, all its blocks run diffusers' code; when a forward a hook set on one instance
+fails (the first-block cache's head block, group offloading), that block alone. With autograd
 recording the blocks run diffusers' code as well (the fused kernels have no backward).
 """
 
@@ -45,6 +47,7 @@ class _ClassState:
     #: one backend object per class: Dynamo reuses a captured graph only for the same backend
     backend: object = None
     failed: str | None = None
+    warned: set = dataclasses.field(default_factory=set)
 
 
 _states: dict[str, _ClassState] = {}
@@ -59,14 +62,16 @@ class EngineCall:
         from exactdit.engine import make_backend
 
         self.module = module
+        self.failed: str | None = None  # this block only (see __call__)
         with _lock:
             self.state = _states.setdefault(label, _ClassState(label, make_backend(label)))
         self.compiled = torch.compile(module._call_impl, backend=self.state.backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args, **kwargs):
         module, state = self.module, self.state
-        if state.failed is not None:
-            gate.count_eager(f"engine.{state.label}", state.failed)
+        failed = self.failed or state.failed
+        if failed is not None:
+            gate.count_eager(f"engine.{state.label}", failed)
             return module._call_impl(*args, **kwargs)
         if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
             gate.count_eager(f"engine.{state.label}", "autograd is recording (fused kernels have no backward)")
@@ -75,11 +80,19 @@ class EngineCall:
             return self.compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
             out = module._call_impl(*args, **kwargs)  # eager's own error, if the call is wrong
-            state.failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
-            message = f"exactdit: {state.label} runs diffusers' code: {state.failed}"
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            gate.count_eager(f"engine.{state.label}", state.failed)
+            failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
+            # a forward set on the instance (a diffusers hook: the first-block cache's head, group
+            # offload) fails for this block only; the class's own forward fails for all its blocks
+            if "forward" in module.__dict__:
+                self.failed = failed
+            else:
+                state.failed = failed
+            message = f"exactdit: {state.label} runs diffusers' code: {failed}"
+            if message not in state.warned:
+                state.warned.add(message)
+                logger.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            gate.count_eager(f"engine.{state.label}", failed)
             return out
 
 

@@ -1,12 +1,12 @@
 """One transformer forward through the engine against eager, the same run: equality and time.
 
     python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
-        [--mirror] [--compile] [--repeat 10]
+        [--mirror] [--compile] [--cuda-graphs] [--repeat 10]
 
 Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``)
 on the GPU, times eager (CUDA-event median of ``--repeat`` forwards after warm-up), then
 ``exactdit.patch`` (first call = capture + kernel compilation, wall clock), checks the output with
-``torch.equal`` against eager and times it the same way. ``--mirror``: also ERNIE-Image's
+``torch.equal`` against eager and times it the same way. ``--cuda-graphs``: also ``exactdit.patch(cuda_graphs=True)``. ``--mirror``: also ERNIE-Image's
 hand-written patch. ``--compile``: also diffusers' regional torch.compile (Inductor; not exact).
 Prints a table and writes ``bench_engine_<model>.json`` (results rows, coverage) to ``$OUT``.
 """
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--mirror", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true", help="also exactdit.patch(cuda_graphs=True)")
     ap.add_argument("--breakdown", action="store_true", help="kernel time by kind, idle gaps, SM clock, power")
     args = ap.parse_args()
     env = environment()
@@ -107,6 +108,21 @@ def main() -> None:
         print("EAGER", eager_calls)
     exactdit.unpatch(tr)
 
+    if args.cuda_graphs:
+        from exactdit.patches import cuda_graphs
+
+        exactdit.patch(tr, cuda_graphs=True)
+        first = first_call_s(tr, kw)  # runs the forward, then records it
+        ms, out = forward_ms(tr, kw, args.repeat)
+        graphs = cuda_graphs.graphed(tr).summary()
+        rows.append(dict(path="exactdit + CUDA graphs", ms=ms, equal=outputs_equal(out, ref), first_call_s=first,
+                         graph_mib=graphs["memory_bytes"] / 2**20))
+        print(f"exactdit + CUDA graphs {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {graphs}",
+              flush=True)
+        if args.breakdown:
+            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
+        exactdit.unpatch(tr)
+
     if args.mirror:
         exactdit.patch(tr, mirror=True)
         first = first_call_s(tr, kw)
@@ -129,7 +145,7 @@ def main() -> None:
     append_results([dict(model_or_op=f"{args.model} transformer forward ({args.config})",
                          shape=f"{args.height}x{args.width} B={args.batch}", dtype="bf16", path=r["path"], ms=r["ms"],
                          ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
-                         **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w")
+                         **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib")
                             if k in r}) for r in rows], "benchmarks/bench_engine.py")
     write_json(f"bench_engine_{args.model}_{args.config}_b{args.batch}.json",
                {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})

@@ -36,25 +36,26 @@ _forward = models.run_forward
 _equal = outputs_equal
 
 
-def forward_case(name, tr, height, width, batch) -> dict:
+def forward_case(name, tr, height, width, batch, cuda_graphs=False) -> dict:
     kw = models.forward_inputs(name, tr, height=height, width=width, batch=batch)
     ref = _forward(tr, kw)
-    exactdit.patch(tr)
-    try:
-        first, second = _forward(tr, kw), _forward(tr, kw)
+    exactdit.patch(tr, cuda_graphs=cuda_graphs)
+    try:  # with CUDA graphs: the first call records, the others replay
+        outs = [_forward(tr, kw) for _ in range(3)]
     finally:
         exactdit.unpatch(tr)
-    return dict(case=f"forward {height}x{width} B={batch}", equal=_equal(first, ref) and _equal(second, ref))
+    return dict(case=f"forward {height}x{width} B={batch}" + (" (CUDA graphs)" if cuda_graphs else ""),
+                equal=all(_equal(out, ref) for out in outs))
 
 
-def sample_case(name, config, steps) -> dict:
+def sample_case(name, config, steps, cuda_graphs=False) -> dict:
     pipe = models.build_pipeline(name, config, dtype=torch.bfloat16, device=DEVICE)
     kw = lambda: models.pipeline_call_kwargs(name, steps=steps)  # noqa: E731 (a fresh generator per run)
     with torch.no_grad():
         t = time.perf_counter()
         eager = pipe(**kw()).images
         t_eager = time.perf_counter() - t
-        exactdit.patch(pipe)
+        exactdit.patch(pipe, cuda_graphs=cuda_graphs)
         try:
             t = time.perf_counter()
             patched = pipe(**kw()).images
@@ -62,7 +63,7 @@ def sample_case(name, config, steps) -> dict:
         finally:
             exactdit.unpatch(pipe)
     eager, patched = (x if isinstance(x, torch.Tensor) else torch.stack(list(x)) for x in (eager, patched))
-    return dict(case=f"sampling {steps} steps", equal=_equal(eager, patched), md5_eager=md5_tensor(eager),
+    return dict(case=f"sampling {steps} steps" + (" (CUDA graphs)" if cuda_graphs else ""), equal=_equal(eager, patched), md5_eager=md5_tensor(eager),
                 md5_patched=md5_tensor(patched), eager_s=t_eager, patched_s=t_patched)
 
 
@@ -73,14 +74,16 @@ def main() -> None:
     ap.add_argument("--forward", nargs="*", default=[])
     ap.add_argument("--sample-steps", type=int, default=0)
     ap.add_argument("--test-configs", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true", help="also every forward and sampling case in CUDA-graph mode")
     args = ap.parse_args()
     rows = []
     if args.forward:
         tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device=DEVICE)
         for spec in args.forward:
             h, w, b = (int(v) for v in spec.split("x"))
-            rows.append(forward_case(args.model, tr, h, w, b))
-            print(rows[-1], flush=True)
+            for graphs in (False, True) if args.cuda_graphs else (False,):
+                rows.append(forward_case(args.model, tr, h, w, b, graphs))
+                print(rows[-1], flush=True)
         del tr
         torch.cuda.empty_cache()
     if args.test_configs:
@@ -94,8 +97,9 @@ def main() -> None:
             rows.append(dict(case=f"diffusers test config {dtype}", equal=_equal(out, ref)))
             print(rows[-1], flush=True)
     if args.sample_steps:
-        rows.append(sample_case(args.model, args.config, args.sample_steps))
-        print(rows[-1], flush=True)
+        for graphs in (False, True) if args.cuda_graphs else (False,):
+            rows.append(sample_case(args.model, args.config, args.sample_steps, graphs))
+            print(rows[-1], flush=True)
     report = exactdit.report(show=False)
     disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}
     verdict = "ALL EQUAL" if all(r["equal"] for r in rows) else "DIFFERENT"

@@ -12,6 +12,13 @@
 #   engine-tests     pytest -m gpu for the engine and the kernels it shares
 #   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
 #   engine-chroma    diffusers' Chroma test configs
+# CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
+#   graphs-tests     pytest -m gpu tests/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
+#   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
+#                    exactdit, exactdit + CUDA graphs
+#   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
+# Other models at production size (bench_engine.py with regional compile and CUDA graphs):
+#   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -62,6 +69,29 @@ for stage in "$@"; do
     engine-chroma)
       timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
         tee "$OUT/chroma_equality.log" | tail -4 ;;
+    graphs-tests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
+        tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;
+    graphs-bench)
+      timeout 240 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 \
+        --repeat 7 --compile --cuda-graphs --breakdown 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER|graphs" | \
+        tee -a "$OUT/graphs_bench.log"
+      for args in "--model flux --height 512 --width 512" "--model ernie --height 512 --width 512" \
+                  "--model ernie --height 1024 --width 1024"; do
+        timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
+          grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
+      done ;;
+    graphs-equality)
+      timeout 200 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 \
+        --sample-steps 28 --cuda-graphs 2>&1 | grep -v Warn | tee "$OUT/flux_graphs_equality.log" | tail -6
+      timeout 200 python3 benchmarks/engine_equality.py --model ernie --config full --sample-steps 50 --cuda-graphs \
+        2>&1 | grep -v Warn | tee "$OUT/ernie_graphs_equality.log" | tail -4 ;;
+    models-bench)
+      for args in "--model qwen --height 1024 --width 1024" "--model zimage --height 1024 --width 1024" \
+                  "--model wan --height 480 --width 832 --frames 33"; do
+        timeout 280 python3 benchmarks/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
+          grep -E "^\||DISABLED|EAGER|graphs|built" | tee -a "$OUT/models_bench.log"
+      done ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
                   "--model ernie --height 1024 --width 1024"; do

@@ -160,6 +160,11 @@ def count_eager(name: str, reason: Reason) -> None:
     _count_eager(_op_stats(name), reason)
 
 
+def count_fused(name: str) -> None:
+    """Record that a site named ``name`` ran its fast path (e.g. a CUDA-graph replay)."""
+    _count_fused(_op_stats(name))
+
+
 def _count_eager(st: _OpStats, reason: Reason) -> None:
     with _lock:
         st.eager += 1

@@ -5,13 +5,15 @@ transformer) compute through exactdit's fused kernels, with exactly the bits dif
 Any transformer with repeated blocks goes through the engine (:mod:`exactdit.patches.engine`):
 its blocks are captured once per class and their ATen graphs rewritten. ERNIE-Image also has a
 hand-written mirror of its forwards (:mod:`exactdit.patches.ernie_image`, ``mirror=True``),
-pinned to the diffusers source it was written against.
+pinned to the diffusers source it was written against. ``cuda_graphs=True`` records the whole
+transformer forward into CUDA graphs (:mod:`exactdit.patches.cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import warnings
 
+from exactdit.patches import cuda_graphs as graphs
 from exactdit.patches import engine
 
 
@@ -40,11 +42,14 @@ def _mirror(model, caller: str):
     raise TypeError(f"exactdit.{caller}: no hand-written mirror for {type(model).__name__} (only ERNIE-Image has one)")
 
 
-def patch(obj, *, mirror: bool = False) -> dict:
+def patch(obj, *, mirror: bool = False, cuda_graphs: bool = False) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
     ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
-    model then runs diffusers' code. ``mirror=True``: ERNIE-Image's hand-written forwards."""
+    model then runs diffusers' code. ``mirror=True``: ERNIE-Image's hand-written forwards.
+    ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
+    signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``summary["cuda_graphs"]``
+    says whether that mode is on."""
     model = _transformer(obj)
     if mirror:
         summary = _mirror(model, "patch").patch_transformer(model)
@@ -52,6 +57,11 @@ def patch(obj, *, mirror: bool = False) -> dict:
         summary = engine.patch_transformer(model)
     if not summary["patched"]:
         warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=2)
+    if cuda_graphs:
+        summary["cuda_graphs"] = graphs.enable(model)
+        if not summary["cuda_graphs"]:
+            warnings.warn(f"exactdit.patch: no CUDA graphs for {type(model).__name__}: its call is already "
+                          "redirected (nn.Module.compile)", stacklevel=2)
     return summary
 
 
@@ -60,6 +70,7 @@ def unpatch(obj) -> dict:
     restored: ``{"restored": {block class: count}}`` for the engine, the mirror's counts for
     ERNIE-Image's hand-written patch (zeros when nothing was patched)."""
     model = _transformer(obj, "unpatch")
+    graphs.disable(model)
     restored = engine.unpatch_transformer(model)
     if restored["restored"] or not _mirrored_class(model):
         return restored

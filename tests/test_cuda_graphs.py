@@ -57,16 +57,14 @@ def test_the_state_key_follows_what_a_graph_freezes(flux):
         tr.proj_out.weight.data = tr.proj_out.weight.data.clone()  # moved
         moved = watch.state()[0]
         assert moved != key
-        tr.train()
-        assert watch.state()[0] != moved
-        tr.eval()
-        assert watch.state()[0] == moved
-        block = tr.transformer_blocks[0]
-        block.attn.set_processor(type(block.attn.processor)())
-        assert watch.state()[0] != moved
-        moved = watch.state()[0]
-        block.norm1.extra = torch.nn.Identity()  # the module tree changed
-        assert watch.state()[0] != moved
+        states = [moved]
+        changes = [lambda: tr.train(), lambda: tr.eval(),
+                   lambda: tr.transformer_blocks[0].attn.set_processor(type(tr.transformer_blocks[0].attn.processor)()),
+                   lambda: setattr(tr.transformer_blocks[0].norm1, "extra", torch.nn.Identity())]  # a new module
+        for change in changes:
+            change()
+            states.append(watch.state()[0])
+            assert states[-1] != states[-2] and watch.state()[0] == states[-1]
     tr.proj_out.weight.requires_grad_(True)
     assert watch.state()[1] == "autograd is recording"
     with torch.no_grad():

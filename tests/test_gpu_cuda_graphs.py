@@ -48,7 +48,10 @@ def test_replays_equal_eager(name):
     for k, (out, ref) in enumerate(zip(outs, refs)):
         assert outputs_equal(out, ref), f"call {k}"
     stats = _stats(type(tr).__name__)
-    assert stats["fused"] == 4 and stats["eager"] == 2, stats  # two recorded, four replayed
+    if name == "chroma":  # its forward copies torch.tensor([0] * batch) to the GPU: not recordable
+        assert stats["fused"] == 0 and any("recording failed" in r for r in stats["eager_reasons"]), stats
+    else:
+        assert stats["fused"] == 4 and stats["eager"] == 2, stats  # two recorded, four replayed
     assert not any(v["disabled"] for v in exactdit.report(show=False).values())
 
 

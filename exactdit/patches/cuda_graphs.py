@@ -30,6 +30,7 @@ import threading
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.modules import module as _nn_module
 
 from exactdit import gate
 
@@ -59,6 +60,7 @@ class GraphedCall:
         self.graphs: dict[tuple, _Recorded | str] = {}  # signature -> recording, or why it failed
         self.pool = None
         self.watch = _ModelWatch(module)
+        self.state = None
         self._lock = threading.Lock()
 
     # --- the call ---------------------------------------------------------------------------------
@@ -77,6 +79,9 @@ class GraphedCall:
         except TypeError:
             gate.count_eager(self.name, "an argument that is neither a tensor nor hashable")
             return module._call_impl(*args, **kwargs)
+        if state != self.state:  # weights moved, modules or processors changed: old graphs are stale
+            self.graphs.clear()
+            self.state = state
         recorded = self.graphs.get(key)
         if isinstance(recorded, _Recorded):
             return self._replay(recorded, leaves)
@@ -108,6 +113,7 @@ class GraphedCall:
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
         graph = torch.cuda.CUDAGraph()
+        torch.cuda.empty_cache()  # as recording does: what is reserved afterwards is the graph's
         before = torch.cuda.memory_reserved(device)
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -187,39 +193,46 @@ class _ModelWatch:
 
     def __init__(self, module: torch.nn.Module):
         if not _ModelWatch._hooks_installed:
-            from torch.nn.modules import module as nn_module
-
-            nn_module.register_module_module_registration_hook(_registered)
-            nn_module.register_module_parameter_registration_hook(_registered)
-            nn_module.register_module_buffer_registration_hook(_registered)
+            _nn_module.register_module_module_registration_hook(_registered)
+            _nn_module.register_module_parameter_registration_hook(_registered)
+            _nn_module.register_module_buffer_registration_hook(_registered)
             _ModelWatch._hooks_installed = True
         self.module = module
         self.generation = None
+        self.snapshot, self.epoch = None, 0
 
     def _rebuild(self) -> None:
         modules = list(self.module.modules())
         self.attrs = [m.__dict__ for m in modules]  # not getattr: nn.Module.__getattr__ is slow on a miss
         self.tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
         self.with_processor = [d for d in self.attrs if "processor" in d]
+        self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
         self.adapters = any(type(m).__module__.startswith("peft") for m in modules)
         self.generation = _registrations
 
     def state(self) -> tuple[tuple, str | None]:
-        """(the model's state as a hashable key, why no graph may be recorded or None)."""
+        """(the model's state as a small hashable key, why no graph may be recorded or None). The
+        key changes when anything a graph froze changed since the previous call."""
         if self.generation != _registrations:
             self._rebuild()
+        # C-level list builds and compares: this runs before every replay
+        snapshot = ([t.data_ptr() for t in self.tensors], [d["training"] for d in self.attrs],
+                    [id(d["processor"]) for d in self.with_processor])
+        if snapshot != self.snapshot:
+            self.snapshot, self.epoch = snapshot, self.epoch + 1
         reason = self._cannot_hold()
-        pointers = tuple([t.data_ptr() for t in self.tensors])
         if reason is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors):
             reason = "autograd is recording"
-        modes = (tuple([d["training"] for d in self.attrs]), tuple([id(d["processor"]) for d in self.with_processor]))
-        return (self.generation, pointers, modes), reason
+        return (self.generation, self.epoch), reason
 
     def _cannot_hold(self) -> str | None:
         if self.adapters:
             return "LoRA adapters (their scales are Python state a graph would freeze)"
-        if not any("forward" in d or d["_forward_hooks"] or d["_forward_pre_hooks"] for d in self.attrs):
+        if not (any(self.hook_dicts) or any(["forward" in d for d in self.attrs])
+                or _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks):
             return None
+        if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
+            return "global torch forward hooks run Python between kernels"
         for d in self.attrs:
             reason = _hook_a_graph_cannot_hold(d)
             if reason is not None:

@@ -242,6 +242,24 @@ def test_a_region_reads_an_empty_cat_piece_it_never_loads():
     _rewritten_run(build, [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)])
 
 
+def test_rope_written_through_strided_slices_of_an_empty_tensor():
+    # Wan's RoPE: out = empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b, functionalized into
+    # copy + slice_scatter; the uninitialised values are all overwritten, so the region is exact
+    def build(b, x, c, s):
+        x1, x2 = (b.op(aten.slice.Tensor, x, -1, k, 9223372036854775807, 2) for k in (0, 1))
+        even = b.op(aten.sub.Tensor, b.op(aten.mul.Tensor, x1, c), b.op(aten.mul.Tensor, x2, s))
+        odd = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x1, s), b.op(aten.mul.Tensor, x2, c))
+        out = b.op(aten.empty_like.default, x)
+        for k, v in enumerate((even, odd)):
+            dst = b.op(aten.slice.Tensor, out, -1, k, 9223372036854775807, 2)
+            out = b.op(aten.slice_scatter.default, out, b.op(aten.copy.default, dst, v), -1, k, 9223372036854775807, 2)
+        return (b.op(aten._to_copy.default, out, dtype=torch.bfloat16),)
+
+    x = torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)
+    report = _rewritten_run(build, [x, torch.randn(5, 1, 8), torch.randn(5, 1, 8)])
+    assert not any("slice_scatter" in line and "left" in line for line in report.lines()), report.lines()
+
+
 def test_collectives_are_neither_merged_nor_reordered():
     from exactdit.engine.backend import _effectful, _pure
 

@@ -302,6 +302,35 @@ def _convert_emit(em, node, index):
 _register([aten._to_copy.default, prims.convert_element_type.default], Rule(POINTWISE, _convert_emit, _convert_check))
 
 
+def _copy_check(node):
+    # functional copy (an in-place ``out[..., 0::2] = v`` after functionalization): the result is
+    # ``src`` broadcast to ``dst``'s shape in ``dst``'s dtype; ``dst``'s values are not read
+    dst, src = node.args[0], node.args[1]
+    if not isinstance(src, fx.Node) or src.meta["val"].dtype not in FLOAT_DTYPES:
+        return "copy of a non-float tensor"
+    if src.meta["val"].device != dst.meta["val"].device:
+        return "copy between devices"
+    return None
+
+
+def _copy_emit(em, node, index):
+    x = em.operand(node, node.args[1], index)
+    out = dtype_of(node)
+    return x if x.dtype == out else em.rounded(em.widen(x), out, x.kind)
+
+
+_register([aten.copy.default], Rule(POINTWISE, _copy_emit, _copy_check))
+
+
+def _empty_emit(em, node, index):
+    # uninitialised memory: any value is eager's; a region that exposed one would differ from its
+    # ATen reference at verification and run eager, so only fully overwritten ones stay fused
+    return em.constant(0.0, dtype_of(node))
+
+
+_register([aten.empty_like.default], Rule(POINTWISE, _empty_emit, lambda node: None))
+
+
 def _identity_emit(em, node, index):
     return em.value(node.args[0], index)
 

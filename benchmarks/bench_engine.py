@@ -143,7 +143,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")
     append_results([dict(model_or_op=f"{args.model} transformer forward ({args.config})",
-                         shape=f"{args.height}x{args.width} B={args.batch}", dtype="bf16", path=r["path"], ms=r["ms"],
+                         shape=f"{args.height}x{args.width}" + (f"x{args.frames}" if args.frames else "") + f" B={args.batch}", dtype="bf16", path=r["path"], ms=r["ms"],
                          ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
                          **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib")
                             if k in r}) for r in rows], "benchmarks/bench_engine.py")

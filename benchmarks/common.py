@@ -62,7 +62,7 @@ def environment() -> dict:
     import triton
 
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU only ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),

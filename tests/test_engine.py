@@ -323,6 +323,36 @@ def test_a_block_the_engine_cannot_capture_runs_eager_with_the_reason():
     assert any("not captured" in r for r in reasons)
 
 
+def test_shapes_beyond_dynamos_recompile_limit_run_eager_and_the_captured_ones_stay_fused():
+    from exactdit.patches.engine import RECOMPILE_LIMIT, RECOMPILE_LIMIT_REASON
+
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=h, width=32, seed=7) for h in (16, 32, 48)]
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in calls]
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=8):
+            exactdit.patch(tr)
+            assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+        with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs = [tr(**kw, return_dict=False)[0] for kw in calls]
+            runs = _graph_runs("FluxTransformerBlock")
+            again = tr(**calls[0], return_dict=False)[0]
+            assert _graph_runs("FluxTransformerBlock") == runs + 1  # the first shape's graph ran
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs + [again], refs + refs[:1]):
+        assert_bits_equal(out, ref)
+    reasons = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]["eager_reasons"]
+    assert list(reasons) == [RECOMPILE_LIMIT_REASON]
+
+
+def _graph_runs(block: str) -> int:
+    """Calls of the first region of every captured graph of ``block``'s class."""
+    rep = exactdit.report(show=False)
+    return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
+
+
 def test_first_block_cache_head_runs_eager_and_the_other_blocks_are_captured():
     from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
 
@@ -345,15 +375,11 @@ def test_first_block_cache_head_runs_eager_and_the_other_blocks_are_captured():
     exactdit.unpatch(tr)
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    rep = exactdit.report(show=False)
-    head = rep["engine.FluxTransformer2DModel.FluxTransformerBlock"]
+    head = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]
     assert head["eager"] == len(calls) and all("not captured" in r for r in head["eager_reasons"])
     # blocks 1 and 2 ran through the captured graph on the two uncached calls
-    def runs(block):  # calls of each captured graph's first region
-        return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
-
-    assert runs("FluxTransformerBlock") == 4
-    assert runs("FluxSingleTransformerBlock") == 4  # the cache's tail block has a graph of its own
+    assert _graph_runs("FluxTransformerBlock") == 4
+    assert _graph_runs("FluxSingleTransformerBlock") == 4  # the cache's tail block has a graph of its own
 
 
 def test_tables_reproduce_eager_on_every_input():

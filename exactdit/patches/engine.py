@@ -11,7 +11,11 @@ A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs 
 code; the reason is warned once and counted in ``exactdit.report()``. When the class's own
 forward fails, all its blocks run diffusers' code; when a forward a hook set on one instance
 fails (the first-block cache's head block, group offloading), that block alone. With autograd
-recording the blocks run diffusers' code as well (the fused kernels have no backward).
+recording the blocks run diffusers' code as well (the fused kernels have no backward). Each new
+input shape captures each block class once more (static shapes); ``patch`` lets Dynamo keep
+``RECOMPILE_LIMIT`` graphs per block (raising ``torch._dynamo.config.recompile_limit``, a
+process-wide setting, when it is lower); shapes beyond that run diffusers' code, counted, while the
+shapes already captured stay fused.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class _ClassState:
 
 
 _states: dict[str, _ClassState] = {}
+
+#: Dynamo keeps this many graphs per block (one per input shape) unless the user allows more;
+#: ``patch`` raises a lower ``torch._dynamo.config.recompile_limit`` to it (resolution buckets)
+RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT_REASON = "Dynamo's recompile limit reached: this new shape runs diffusers' code"
 _lock = threading.Lock()
 
 
@@ -80,6 +89,12 @@ class EngineCall:
             return self.compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
             out = module._call_impl(*args, **kwargs)  # eager's own error, if the call is wrong
+            if type(e).__name__ == "FailOnRecompileLimitHit":
+                # one more shape than Dynamo keeps graphs for: the shapes already captured stay fused
+                self._warn_once(f"exactdit: {state.label}: {RECOMPILE_LIMIT_REASON}; raise "
+                                "torch._dynamo.config.recompile_limit to capture more")
+                gate.count_eager(f"engine.{state.label}", RECOMPILE_LIMIT_REASON)
+                return out
             failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
             # a forward set on the instance (a diffusers hook: the first-block cache's head, group
             # offload) fails for this block only; the class's own forward fails for all its blocks
@@ -87,13 +102,15 @@ class EngineCall:
                 self.failed = failed
             else:
                 state.failed = failed
-            message = f"exactdit: {state.label} runs diffusers' code: {failed}"
-            if message not in state.warned:
-                state.warned.add(message)
-                logger.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self._warn_once(f"exactdit: {state.label} runs diffusers' code: {failed}")
             gate.count_eager(f"engine.{state.label}", failed)
             return out
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.state.warned:
+            self.state.warned.add(message)
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def reset() -> None:
@@ -125,6 +142,8 @@ def patch_transformer(model: torch.nn.Module) -> dict:
         return {"patched": False, "reason": reason}
     counts: dict[str, int] = {}
     model_name = type(model).__name__
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     for cls, module in targets(model):
         if not isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
             module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}")

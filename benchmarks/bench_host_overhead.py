@@ -4,9 +4,9 @@ one CUDA-graph replay of a whole (tiny) transformer.
     python3 benchmarks/bench_host_overhead.py [--calls 3000]
 
 Tensors are tiny ([1, 64] bf16) so the GPU never holds the host up: the wall time per call of a
-back-to-back loop is the host's cost. On a machine without a GPU it times the parts that run on
-the CPU (the gate's bookkeeping, the CUDA-graph mode's per-call checks on a full-size Flux model
-built on the meta device) and says which parts it skipped. Rows go to ``$OUT/results.jsonl``.
+back-to-back loop is the host's cost. Everywhere, also the parts that need no GPU: the gate's bookkeeping
+on a verified signature (a kernel that does nothing) and the CUDA-graph mode's per-call check of
+a full-size Flux model built on the meta device; without a GPU it says which parts it skipped. Rows go to ``$OUT/results.jsonl``.
 """
 
 from __future__ import annotations
@@ -105,6 +105,20 @@ def main() -> None:
         exactdit.unpatch(tr)
     else:
         print("no GPU: region launches and graph replays skipped", flush=True)
+
+    # the gate's own bookkeeping on a verified signature, with a kernel that does nothing
+    from exactdit import gate
+
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
+    noop = gate.FusedOp(name="host.noop", reference=lambda *a: a[0], fused=lambda *a: a[0],
+                        unsupported=lambda *a: None, signature=lambda *a: ("noop",))
+    supported, gate.backend_support = gate.backend_support, lambda tensors: None  # the CPU too
+    try:
+        gate.dispatch(noop, x, x, x)  # verifies
+        row("gate bookkeeping per call (verified, no kernel)", per_call_us(lambda: gate.dispatch(noop, x, x, x),
+                                                                         args.calls, lambda: None))
+    finally:
+        gate.backend_support = supported
 
     # the CUDA-graph mode's per-call check of the model's state on a full-size Flux.1-dev
     from exactdit.harness import models

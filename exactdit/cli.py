@@ -67,7 +67,8 @@ def version() -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Untimed one-step pipeline calls before each timed run (capture, kernel compilation).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
-def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress) -> None:
+@click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
+def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress, cuda_graphs) -> None:
     """Eager vs patched sampling through diffusers' own pipeline of an embedded model (random weights,
     tiny offline text encoders and VAE, no downloads).
 
@@ -77,7 +78,7 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
     from exactdit.harness.demo import DemoOptions, HarnessError, run_demo
 
     opts = DemoOptions(model=model, config=config, steps=steps, seed=seed, dtype=dtype, out=out_dir, device=device,
-                       guidance_scale=guidance_scale, warmup=warmup, progress=progress)
+                       guidance_scale=guidance_scale, warmup=warmup, progress=progress, cuda_graphs=cuda_graphs)
     try:
         _, code = run_demo(opts, echo=click.echo)
     except (HarnessError, _api.ExactditAPIError, ValueError, OSError) as exc:
@@ -106,8 +107,9 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
               help="Load dtype [default: fp32 on CPU, bf16 on CUDA].")
 @click.option("--warmup/--no-warmup", default=None,
               help="Untimed 1-step generation before each timed run [default: on for CUDA, off on CPU].")
+@click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
 def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scale, height, width, out_dir,
-             use_pe, device, dtype, warmup) -> None:
+             use_pe, device, dtype, warmup, cuda_graphs) -> None:
     """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
     from exactdit.harness import _api
     from exactdit.harness.demo import HarnessError
@@ -119,7 +121,8 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
         raise _fail(exc) from None
     opts = GenerateOptions(model_path=model_path, prompt=prompt, negative_prompt=negative_prompt, ab=ab,
                            seed=seed, steps=steps, guidance_scale=guidance_scale, height=height, width=width,
-                           out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup)
+                           out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup,
+                           cuda_graphs=cuda_graphs)
     try:
         _, code = run_generate(opts, echo=click.echo)
     except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:

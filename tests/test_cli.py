@@ -76,6 +76,16 @@ def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):
     assert "graph FluxTransformer2DModel.FluxTransformerBlock" in res.output
 
 
+def test_demo_with_cuda_graphs_on_the_cpu_runs_unrecorded_and_equal(tmp_path):
+    res = invoke("demo", "--config", "tiny", "--steps", 2, "--out", tmp_path, "--device", "cpu", "--no-progress",
+                 "--warmup", 0, "--cuda-graphs")
+    assert res.exit_code == 0, res.output
+    assert "EQUAL" in res.output and "DIFFERENT" not in res.output
+    rep = json.loads((tmp_path / "perf_patched.json").read_text())["exactdit_report"]
+    graphs = rep["cuda_graphs.ErnieImageTransformer2DModel"]
+    assert graphs["fused"] == 0 and list(graphs["eager_reasons"]) == ["a tensor argument not on a CUDA device"]
+
+
 def test_demo_tiny_end_to_end(tmp_path):
     res = invoke("demo", "--config", "tiny", "--steps", 2, "--seed", 1, "--out", tmp_path, "--device", "cpu",
                  "--no-progress")
@@ -116,8 +126,8 @@ def test_demo_exits_nonzero_when_runs_differ(monkeypatch, tmp_path):
     saved = {}
     real_patch, real_unpatch = exactdit.patch, exactdit.unpatch
 
-    def bad_patch(obj):  # the real patch, then a change of numerics it must not make
-        summary = real_patch(obj)
+    def bad_patch(obj, **options):  # the real patch, then a change of numerics it must not make
+        summary = real_patch(obj, **options)
         w = obj.transformer.final_linear.weight
         saved["w"] = w.detach().clone()
         with torch.no_grad():

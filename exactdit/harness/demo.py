@@ -108,6 +108,7 @@ class DemoOptions:
     guidance_scale: float | None = None
     warmup: int = 1
     progress: bool = True
+    cuda_graphs: bool = False
 
 
 def _fmt_reasons(reasons: dict) -> str:
@@ -168,7 +169,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     try:
         for label in ("eager", "patched"):
             if label == "patched":
-                patch_summary = ex.patch(pipe)
+                patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
             if opts.warmup:
                 echo(f"{label}: {opts.warmup} untimed warmup call{'s' if opts.warmup > 1 else ''} ...")
                 t0 = time.perf_counter()

@@ -120,6 +120,7 @@ class GenerateOptions:
     dtype: str | None = None
     warmup: bool | None = None
     progress: bool = True
+    cuda_graphs: bool = False
 
 
 def load_pipeline(model_path: str | Path, dtype: torch.dtype, device: torch.device):
@@ -236,7 +237,7 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             timed_run(pipe, opts, device, "warmup eager", steps=1)
         runs["baseline"] = timed_run(pipe, opts, device, "baseline (eager)")
         runs["baseline_repeat"] = timed_run(pipe, opts, device, "baseline repeat")
-    patch_summary = ex.patch(pipe)
+    patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
     try:
         if warm:
             timed_run(pipe, opts, device, "warmup patched", steps=1)

@@ -190,6 +190,26 @@ def test_captured_blocks_equal_cuda_order(name):
             assert_bits_equal(o, r, name)
 
 
+def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
+    # Qwen-Image-Edit-2511: a second (condition) image stream after the target's tokens, and
+    # zero_cond_t's modulation picked per token through `where` (timestep 0 for the condition)
+    cfg = {**models.get_spec("qwen").config("tiny"), "zero_cond_t": True}
+    tr = models.build_transformer("qwen", cfg, dtype=torch.bfloat16, seed=4)
+    kw = models.forward_inputs("qwen", tr, batch=1, seed=5, height=32, width=32)
+    condition = torch.randn_like(kw["hidden_states"])
+    kw.update(hidden_states=torch.cat([kw["hidden_states"], condition], dim=1),
+              img_shapes=[kw["img_shapes"][0] * 2])
+    for _, gm, inputs in capture_graphs(tr, kw):
+        with torch.no_grad():
+            ref = CudaOrderInterpreter(gm).run(*inputs)
+            report = rewrite(gm, "qwen-edit")
+            with trusted():
+                out = gm(*inputs)
+        assert report.regions and not report.failed, report.lines()
+        for o, r in zip(out, ref):
+            assert_bits_equal(o, r, "qwen-edit")
+
+
 # --- the gate, the backend, the patch ---------------------------------------------------------------
 
 

@@ -280,6 +280,22 @@ def test_rope_written_through_strided_slices_of_an_empty_tensor():
     assert not any("slice_scatter" in line and "left" in line for line in report.lines()), report.lines()
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_per_token_modulation_picked_by_an_integer_index(index_dtype):
+    # Qwen-Image-Edit-2511: where(index == 0, mod_target, mod_condition) per token, then modulate
+    def build(b, x, index, s0, s1):
+        pick = b.op(aten.unsqueeze.default, b.op(aten.eq.Scalar, index, 0), -1)
+        scale = b.op(aten.where.self, pick, s0, s1)
+        return (b.op(aten.mul.Tensor, x, b.op(aten.add.Tensor, scale, 1)),)
+
+    g = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 2, (2, 37), generator=g, dtype=index_dtype)
+    inputs = [rand((2, 37, 64), torch.bfloat16, "cpu", g), index,
+              rand((2, 1, 64), torch.bfloat16, "cpu", g), rand((2, 1, 64), torch.bfloat16, "cpu", g)]
+    report = _rewritten_run(build, inputs)
+    assert any("eq" in line and "fused" in line for line in report.lines()), report.lines()
+
+
 def test_collectives_are_neither_merged_nor_reordered():
     from exactdit.engine.backend import _effectful, _pure
 

@@ -71,7 +71,7 @@ def why_not_fusable(node: fx.Node) -> str | None:
         return f"{_name(node)} does not produce one tensor"
     if val.numel() == 0:
         return "empty tensor"
-    if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES + (COMPLEX,):
+    if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES + (COMPLEX,) and node.target not in BOOL_RESULTS:
         return f"{_name(node)} produces {val.dtype}"
     if val.device.type not in ("cuda", "cpu"):
         return f"{val.device.type} tensors"
@@ -352,6 +352,27 @@ def _where_check(node):
         elif isinstance(a, bool) or not isinstance(a, (int, float)):
             return f"where operand {a!r}"
     return _no_wider_operand_values(node)
+
+
+def _index_compare_check(node):
+    x, k = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or x.meta["val"].dtype not in (torch.int32, torch.int64):
+        return "comparison of a non-integer tensor"
+    if isinstance(k, bool) or not isinstance(k, int):
+        return f"comparison with {k!r}"
+    return None
+
+
+def _index_compare_emit(em, node, index):
+    # an integer tensor against an integer: exact in any order (Qwen-Image-Edit's per-token
+    # modulation index, `index == 0`, feeding a where); the bool stays in registers
+    x = em.value(node.args[0], index)
+    return em.let(f"{x.name} == {int(node.args[1])}", torch.bool, x.kind)
+
+
+#: ops whose bool result a region computes but never stores (a consumer inside reads it)
+BOOL_RESULTS = {aten.eq.Scalar}
+_register(BOOL_RESULTS, Rule(POINTWISE, _index_compare_emit, _index_compare_check))
 
 
 def _no_wider_operand_values(node):

@@ -280,7 +280,8 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
             g.split_cat = anchor
     domain = shape_of(anchor)
     numel = math.prod(domain)
-    wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel}
+    # bool results are not stored (a consumer outside reads ATen's)
+    wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel or n.meta["val"].dtype == torch.bool}
     if wrong_size:
         return None, wrong_size, None
     n_kernels = sum(1 for n in g.nodes if _is_compute(n))

@@ -50,18 +50,23 @@ def test_index_bounds_and_broadcast():
 
 
 def _rewritten_run(build, inputs):
-    """Rewrite the graph ``build(b, *nodes)`` makes, run it (kernels in the interpreter) and
-    hold every output to the graph run as CUDA runs it; returns the coverage report."""
+    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`_rewrite_and_check`)."""
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
-    gm = b.module(*build(b, *nodes))
-    ref = CudaOrderInterpreter(gm).run(*inputs)
-    report = rewrite(gm, "test")
-    with trusted():
-        out = gm(*inputs)
+    return _rewrite_and_check(b.module(*build(b, *nodes)), inputs)
+
+
+def _rewrite_and_check(gm, inputs, label: str = "test"):
+    """Rewrite ``gm``, run it (kernels in the interpreter) and hold every output to the graph run
+    as CUDA runs it; returns the coverage report."""
+    with torch.no_grad():
+        ref = CudaOrderInterpreter(gm).run(*inputs)
+        report = rewrite(gm, label)
+        with trusted():
+            out = gm(*inputs)
     assert report.regions and not report.failed, report.lines()
     for o, r in zip(out, ref):
-        assert_bits_equal(o, r)
+        assert_bits_equal(o, r, label)
     return report
 
 
@@ -180,14 +185,7 @@ def test_captured_blocks_equal_cuda_order(name):
     video = dict(num_frames=5) if models.get_spec(name).video else {}
     kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, **video)
     for _, gm, inputs in capture_graphs(tr, kw):
-        with torch.no_grad():
-            ref = CudaOrderInterpreter(gm).run(*inputs)
-            report = rewrite(gm, name)
-            with trusted():
-                out = gm(*inputs)
-        assert report.regions and not report.failed, report.lines()
-        for o, r in zip(out, ref):
-            assert_bits_equal(o, r, name)
+        _rewrite_and_check(gm, inputs, name)
 
 
 def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
@@ -200,14 +198,7 @@ def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
     kw.update(hidden_states=torch.cat([kw["hidden_states"], condition], dim=1),
               img_shapes=[kw["img_shapes"][0] * 2])
     for _, gm, inputs in capture_graphs(tr, kw):
-        with torch.no_grad():
-            ref = CudaOrderInterpreter(gm).run(*inputs)
-            report = rewrite(gm, "qwen-edit")
-            with trusted():
-                out = gm(*inputs)
-        assert report.regions and not report.failed, report.lines()
-        for o, r in zip(out, ref):
-            assert_bits_equal(o, r, "qwen-edit")
+        _rewrite_and_check(gm, inputs, "qwen-edit")
 
 
 # --- the gate, the backend, the patch ---------------------------------------------------------------

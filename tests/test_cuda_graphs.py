@@ -98,3 +98,22 @@ def test_lora_adapters_are_named(flux):
     tr, _ = flux
     tr.add_adapter(LoraConfig(r=4, target_modules=["to_q"]))
     assert "LoRA" in _hook_reason(tr)
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: b[1:, ::2],                    # a gapped view at an offset
+    lambda b: b[:, :1].expand(6, 4),         # broadcast: one memory location per row
+    lambda b: b.t(),                         # transposed
+    lambda b: b[0, 3],                       # a 0-dim element
+], ids=["gapped", "expanded", "transposed", "scalar"])
+def test_static_buffers_keep_the_argument_layout_and_alignment(make):
+    from exactdit.patches.cuda_graphs import _static_like, _written
+
+    t = make(torch.randn(6, 8))
+    static = _static_like(t)
+    assert static.stride() == t.stride() and static.shape == t.shape
+    assert static.data_ptr() % 64 == t.data_ptr() % 64  # (CUDA blocks: 512; CPU: 64)
+    assert torch.equal(static, t)
+    fresh = make(torch.randn(6, 8))  # the next call's argument, same key
+    _written(static).copy_(_written(fresh))
+    assert torch.equal(static, fresh)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import torch
 import torch.utils._pytree as pytree
 from torch.nn.modules import module as _nn_module
 
 from exactdit import gate
+from exactdit.patches.engine import _first_line
 
 logger = logging.getLogger("exactdit")
 
@@ -61,7 +61,6 @@ class GraphedCall:
         self.pool = None
         self.watch = _ModelWatch(module)
         self.state = None
-        self._lock = threading.Lock()
 
     # --- the call ---------------------------------------------------------------------------------
 
@@ -96,7 +95,7 @@ class GraphedCall:
 
     def _replay(self, recorded: _Recorded, leaves: list) -> object:
         for static, leaf in zip(recorded.static_inputs, (x for x in leaves if isinstance(x, torch.Tensor))):
-            static.copy_(leaf)
+            _written(static).copy_(_written(leaf))
         recorded.graph.replay()
         gate.count_fused(self.name)
         # clones: the next replay rewrites the static outputs (a true-CFG pipeline keeps this one)
@@ -104,14 +103,17 @@ class GraphedCall:
 
     def _record(self, key: tuple, leaves: list, spec) -> None:
         module = self.module
-        static_inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        try:
+            static_inputs = [_static_like(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        except RuntimeError as e:  # a layout whose memory cannot be written element by element
+            self.graphs[key] = f"an argument's layout cannot be copied into: {_first_line(e)}"
+            return
         args, kwargs = pytree.tree_unflatten(static_inputs, spec)
         device = next(x.device for x in static_inputs if isinstance(x, torch.Tensor))
-        with self._lock:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            if len(self.graphs) >= MAX_GRAPHS:
-                self.graphs.pop(next(iter(self.graphs)))
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.pop(next(iter(self.graphs)))
         graph = torch.cuda.CUDAGraph()
         torch.cuda.empty_cache()  # as recording does: what is reserved afterwards is the graph's
         before = torch.cuda.memory_reserved(device)
@@ -141,17 +143,36 @@ class GraphedCall:
                 "failed": [r for r in self.graphs.values() if isinstance(r, str)]}
 
 
-def _first_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:300] if lines else ""
+#: the caching allocator's block alignment: a tensor's address modulo this is its view offset
+_ALIGN = 512
 
 
 def _leaf_key(leaves: list) -> tuple:
     return tuple(
-        ("tensor", x.dtype, tuple(x.shape), x.stride(), x.device, x.requires_grad, x.storage_offset() % 16)
+        ("tensor", x.dtype, tuple(x.shape), x.stride(), x.device, x.requires_grad, x.data_ptr() % _ALIGN)
         if isinstance(x, torch.Tensor) else x
         for x in leaves
     )
+
+
+def _static_like(t: torch.Tensor) -> torch.Tensor:
+    """A buffer with ``t``'s values, shape, strides and address modulo ``_ALIGN``: the recorded
+    forward meets the layout the plain call met (ATen and the gate may choose by layout)."""
+    offset = (t.data_ptr() % _ALIGN) // t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.empty(offset + span, dtype=t.dtype, device=t.device)
+    static = base.as_strided(t.shape, t.stride(), offset)
+    _written(static).copy_(_written(t))
+    return static
+
+
+def _written(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dims (stride 0): each memory location once, so it can be copied
+    into; an argument with the same key broadcasts the same dims, so nothing else differs."""
+    for d, (n, st) in enumerate(zip(t.shape, t.stride())):
+        if st == 0 and n > 1:
+            t = t.narrow(d, 0, 1)
+    return t
 
 
 def _modes() -> tuple:

@@ -17,6 +17,7 @@
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
 #                    exactdit, exactdit + CUDA graphs
 #   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
+#   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
 # Context parallelism (device kind nvidia-h200-x2):
@@ -81,6 +82,8 @@ for stage in "$@"; do
         timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
       done ;;
+    host)
+      timeout 150 python3 benchmarks/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)
       timeout 200 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 \
         --sample-steps 28 --cuda-graphs 2>&1 | grep -v Warn | tee "$OUT/flux_graphs_equality.log" | tail -6

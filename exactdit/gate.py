@@ -10,7 +10,9 @@ the bits, and the kernel launcher. :func:`dispatch` routes each call:
    mismatch (or when the kernel raises, e.g. cannot compile) disable that signature for the
    process, warn with the first differing element (or the error) and return the eager result;
    otherwise remember it as verified;
-4. verified signature -> kernel only, no host sync.
+4. verified signature -> kernel only, no host sync. An op may hand the gate a launcher
+   specialised to one argument layout (:attr:`FusedOp.specialize`): the signature is verified
+   through it, and later calls of that layout go straight to it.
 
 Verification needs a host sync, so while torch.compile traces or a CUDA graph is captured an
 unverified signature takes the eager path instead (a verified one runs its kernel).
@@ -24,6 +26,7 @@ Environment switches (read at every call):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import re
@@ -64,6 +67,11 @@ class FusedOp:
     unsupported: Callable[..., Reason | None]
     signature: Callable[..., tuple]
     validate: Callable[..., None] | None = None
+    #: optional: ``specialize(*args)`` returns a launcher ``fast(*args, poisoned=False)`` that is
+    #: valid for every call whose arguments have these arguments' layout (:func:`arg_key`), with
+    #: the per-call work done once (launch plans), or None. The gate verifies a signature through
+    #: it, and then serves calls of that layout by it with the least bookkeeping.
+    specialize: Callable[..., Callable[..., Any] | None] | None = None
     #: The kernel reproduces an ATen *CUDA* kernel (a reduction order, CUDA's erf): CPU eager
     #: differs, so on CPU (Triton's interpreter) it cannot be verified and runs eager unless
     #: EXACTDIT_TRUST is set. CPU tests hold such kernels to order models instead.
@@ -73,13 +81,26 @@ class FusedOp:
 @dataclasses.dataclass
 class _OpStats:
     fused: int = 0
+    #: calls served by a specialised launcher: ``next()`` of an itertools.count is atomic, so the
+    #: fast path counts without taking the lock (read through :func:`_served`)
+    served: Any = dataclasses.field(default_factory=itertools.count)
     eager: int = 0
     eager_reasons: Counter = dataclasses.field(default_factory=Counter)
     verified: set = dataclasses.field(default_factory=set)
     disabled: dict = dataclasses.field(default_factory=dict)
-    # arg_key -> (reason or None, signature): validation, predicate and signature depend only on
-    # shapes, strides, dtypes, devices, alignment and flags, so they are worked out once per layout.
+    # arg_key -> _Plan: validation, predicate and signature depend only on shapes, strides, dtypes,
+    # devices, alignment and flags, so they are worked out once per layout.
     plans: dict = dataclasses.field(default_factory=dict)
+
+
+class _Plan:
+    """What the gate knows about one argument layout: why it runs eager (or None), its signature,
+    and once verified the op's specialised launcher for it."""
+
+    __slots__ = ("reason", "signature", "fast")
+
+    def __init__(self, reason: Reason | None, signature: tuple | None):
+        self.reason, self.signature, self.fast = reason, signature, None
 
 
 _MAX_PLANS = 4096
@@ -87,13 +108,14 @@ _MAX_PLANS = 4096
 
 def arg_key(args: tuple) -> tuple:
     """Everything about the arguments that validation, predicates and signatures may look at:
-    tensors by shape, strides, dtype, device and 16-byte alignment; other values as they are."""
-    return tuple(
-        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0)
+    tensors by shape, strides, dtype, device and address modulo 16; other values as they are.
+    (Computed on every call: a list comprehension, not a generator, for speed.)"""
+    return tuple([
+        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() & 15)
         if isinstance(a, torch.Tensor)
         else (arg_key(a) if isinstance(a, tuple) else a)
         for a in args
-    )
+    ])
 
 
 _lock = threading.Lock()
@@ -112,6 +134,20 @@ def _flag(name: str) -> bool:
     else:
         value = os.environ.get(name, "0")
     return value.lower() not in ("", "0", "false", "no", "off")
+
+
+_SWITCHES = ("EXACTDIT_DISABLE", "EXACTDIT_VERIFY_ALL", "EXACTDIT_TRUST", "EXACTDIT_POISON")
+_SWITCH_KEYS = tuple(name.encode() for name in _SWITCHES)
+
+
+def _any_switch() -> bool:
+    """Whether any gate switch is on (the common case, none set, costs four dict lookups)."""
+    if _ENVIRON is not None:
+        get = _ENVIRON.get
+        if get(_SWITCH_KEYS[0]) is None and get(_SWITCH_KEYS[1]) is None and get(_SWITCH_KEYS[2]) is None \
+                and get(_SWITCH_KEYS[3]) is None:
+            return False
+    return any(_flag(name) for name in _SWITCHES)
 
 
 def poison_outputs() -> bool:
@@ -181,6 +217,10 @@ def _count_eager(st: _OpStats, reason: Reason) -> None:
         st.eager_reasons[reason] += 1
 
 
+def _served(st: _OpStats) -> int:
+    return int(repr(st.served)[len("count("):-1])  # its next value: how many were taken
+
+
 def _count_fused(st: _OpStats) -> None:
     with _lock:
         st.fused += 1
@@ -203,15 +243,18 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         _plan(op, args)
         raise
     if plan is None:
-        plan = _plan(op, args)
+        plan = _Plan(*_plan(op, args))
         with _lock:
             if len(st.plans) >= _MAX_PLANS:
                 st.plans.clear()
             st.plans[key] = plan
-    reason, sig = plan
+    elif plan.fast is not None and not _any_switch() and not _records_grad(args):
+        next(st.served)  # a verified layout: nothing left to decide
+        return plan.fast(*args)
+    reason, sig = plan.reason, plan.signature
     if _flag("EXACTDIT_DISABLE"):
         reason = "disabled by EXACTDIT_DISABLE"
-    elif torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    elif _records_grad(args):
         reason = "autograd is recording (fused kernels have no backward)"
     if reason is not None:
         _count_eager(st, reason)
@@ -221,9 +264,14 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         _count_eager(st, "disabled after a mismatch")
         return op.reference(*args)
     trusted = sig in st.verified and not _flag("EXACTDIT_VERIFY_ALL")
+    if trusted and plan.fast is None and op.specialize is not None:
+        try:  # a new layout of a verified signature (e.g. another GPU of the same kind)
+            plan.fast = op.specialize(*args)
+        except Exception:  # noqa: BLE001 - the plain launch path stays available
+            plan.fast = None
     if trusted or _flag("EXACTDIT_TRUST"):
         _count_fused(st)
-        return op.fused(*args)
+        return (plan.fast or op.fused)(*args)
     if cannot_sync():
         _count_eager(st, "unverified signature during compile or graph capture")
         return op.reference(*args)
@@ -232,8 +280,10 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         return op.reference(*args)
 
     _local.verifying = True
+    fast = None
     try:
-        out = op.fused(*args)
+        fast = op.specialize(*args) if op.specialize is not None else None
+        out = fast(*args, poisoned=True) if fast is not None else op.fused(*args)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch must not break the model
         out, failure = None, f"the fused kernel raised {type(e).__name__}: {_last_line(e)}"
     else:
@@ -246,14 +296,22 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         with _lock:
             st.verified.add(sig)
             st.fused += 1
+        plan.fast = fast
         return out
     message = f"exactdit: {op.name} failed verification for signature {sig}: {problem}; this signature now runs eager"
     with _lock:
         st.disabled[sig] = problem
+        for other in st.plans.values():  # EXACTDIT_VERIFY_ALL can disable a verified signature
+            if other.signature == sig:
+                other.fast = None
     _count_eager(st, "mismatch at verification")
     logger.warning(message)
     warnings.warn(message, ExactditMismatchWarning, stacklevel=3)
     return ref
+
+
+def _records_grad(args: tuple) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def _last_line(e: Exception) -> str:
@@ -369,7 +427,7 @@ def report(show: bool = True) -> Report:
         result = Report(
             {
                 name: {
-                    "fused": st.fused,
+                    "fused": st.fused + _served(st),
                     "eager": st.eager,
                     "eager_reasons": dict(st.eager_reasons),
                     "verified": sorted(map(str, st.verified)),
@@ -388,6 +446,7 @@ def reset_report() -> None:
     with _lock:
         for st in _stats.values():
             st.fused = st.eager = 0
+            st.served = itertools.count()
             st.eager_reasons.clear()
 
 

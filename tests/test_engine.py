@@ -201,6 +201,117 @@ def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
         _rewrite_and_check(gm, inputs, "qwen-edit")
 
 
+# --- launch plans: the compiled launchers called directly ----------------------------------------------
+
+
+@pytest.fixture
+def interpreted_launchers(monkeypatch):
+    """Launch plans on the CPU: each 'compiled launcher' takes the argument list a plan passes
+    (every kernel parameter in order) and runs the kernel in Triton's interpreter from it."""
+    from exactdit import launch
+
+    launched = []
+
+    def compile_for(fn, grid, args, kwargs, device):
+        options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+
+        def call(grid_x, stream, *values):
+            assert stream == "stream of None" and len(values) == len(fn.arg_names)
+            launched.append(fn)
+            fn[grid](**dict(zip(fn.arg_names, values)), **options)
+
+        return launch.Launch(call, (grid[0],), (), launch.bound_arguments(fn, args, kwargs))
+
+    monkeypatch.setattr(launch, "supported", lambda device: True)
+    monkeypatch.setattr(launch, "current_device", lambda: None)  # a CPU tensor's device index
+    monkeypatch.setattr(launch, "current_stream", lambda index: f"stream of {index}")
+    monkeypatch.setattr(launch, "compile_for", compile_for)
+    return launched
+
+
+def _complex_rope(b, x, freqs):
+    """Qwen-Image's RoPE: ``view_as_real(view_as_complex(x.float()) * freqs).type_as(x)``."""
+    shape = list(x.meta["val"].shape)
+    pairs = b.op(aten.view.default, b.op(aten._to_copy.default, x, dtype=torch.float32), shape[:-1] + [-1, 2])
+    rotated = b.op(aten.mul.Tensor, b.op(aten.view_as_complex.default, pairs), freqs)
+    out = b.op(aten.view.default, b.op(aten.view_as_real.default, rotated), shape)
+    return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
+
+
+@pytest.fixture
+def both_launch_routes(monkeypatch, interpreted_launchers):
+    """Every region call also runs through its generated launch plan and through Triton's JIT
+    launch, outputs poisoned first: the same bits, every element written. Returns the regions seen."""
+    from exactdit.engine import runtime
+
+    checked = []
+    plain_call = runtime.RegionOp.__call__
+
+    def both_routes(self, *inputs):
+        fast = self._specialize(*inputs)
+        for a, b in zip(fast(*inputs, poisoned=True), self._fused(*inputs)):
+            assert_bits_equal(a, b, self.region.name)
+        checked.append(self.region.name)
+        return plain_call(self, *inputs)
+
+    monkeypatch.setattr(runtime.RegionOp, "__call__", both_routes)
+    monkeypatch.setenv("EXACTDIT_POISON", "1")
+    return checked
+
+
+def test_launch_plans_of_a_captured_block_launch_what_the_jit_path_launches(both_launch_routes):
+    # Wan: fp32 modules, LayerNorm + modulation, RMSNorm across heads, RoPE through strided slices
+    tr = models.build_transformer("wan", "tiny", dtype=torch.bfloat16, seed=4)
+    kw = models.forward_inputs("wan", tr, batch=1, seed=5, height=32, width=32, num_frames=5)
+    for _, gm, inputs in capture_graphs(tr, kw):
+        with torch.no_grad(), trusted():
+            rewrite(gm, "wan")
+            gm(*inputs)
+    assert len(both_launch_routes) > 3
+
+
+def test_launch_plans_with_tables_complex_inputs_and_several_outputs(both_launch_routes):
+    g = torch.Generator().manual_seed(2)
+    x, u = rand((2, 5, 64), torch.bfloat16, "cpu", g), rand((2, 5, 64), torch.bfloat16, "cpu", g)
+    freqs = torch.polar(torch.ones(5, 1, 16), torch.randn(5, 1, 16, generator=g))
+
+    def build(b, x, u, freqs):
+        h = b.op(aten.mul.Tensor, u, b.op(aten.gelu.default, x, approximate="tanh"))  # a table
+        q = _complex_rope(b, b.op(aten.view.default, x, [2, 5, 2, 32]), freqs)  # a complex input
+        return [h, b.op(aten.add.Tensor, h, x), q]  # several outputs
+
+    b = GraphBuilder()
+    gm = b.module(*build(b, *[b.input(t) for t in (x, u, freqs)]))
+    with torch.no_grad(), trusted():
+        rewrite(gm, "plans")
+        gm(x, u, freqs)
+    assert len(both_launch_routes) >= 2
+
+
+def test_a_verified_region_layout_is_served_by_its_launch_plan(interpreted_launchers):
+    b = GraphBuilder()
+    g = torch.Generator().manual_seed(1)
+    inputs = [rand((3, 40), torch.bfloat16, "cpu", g), rand((3, 40), torch.bfloat16, "cpu", g), rand((3,), torch.bfloat16, "cpu", g)]
+    gm = b.module(*OPS["gated residual"](b, *[b.input(t) for t in inputs]))
+    with torch.no_grad():
+        ref = gm(*inputs)
+        rewrite(gm, "plan")
+        for _ in range(3):
+            assert_bits_equal(gm(*inputs)[0], ref[0], "plan")
+    assert len(interpreted_launchers) == 3  # verified through the plan, then served by it
+    assert exactdit.report(show=False)["plan.r0"]["fused"] == 3
+    from triton import knobs
+
+    hook = lambda metadata: None  # noqa: E731 - a profiler's launch hook: only Triton's JIT path calls it
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        with torch.no_grad():
+            assert_bits_equal(gm(*inputs)[0], ref[0], "plan")
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(interpreted_launchers) == 3
+
+
 # --- the gate, the backend, the patch ---------------------------------------------------------------
 
 

@@ -249,3 +249,79 @@ def test_a_nan_mismatch_shows_the_bit_patterns():
     assert gate.first_difference(torch.tensor([-0.0]), torch.tensor([0.0])).endswith(
         "fused -0.0 (0x80000000) vs eager 0.0 (0x00000000)"
     )
+
+
+def _specialized_op(name, *, launcher_wrong=False):
+    """An op with a specialised launcher per layout; ``log`` records which route served each call."""
+    log = []
+
+    def specialize(r, u, g):
+        log.append("specialize")
+
+        def fast(r, u, g, poisoned=False):
+            log.append("fast")
+            out = references.residual_gate_add(r, u, g).clone()
+            return _plus_one_ulp(out) if launcher_wrong else out
+
+        return fast
+
+    def fused(r, u, g):
+        log.append("fused")
+        return references.residual_gate_add(r, u, g).clone()
+
+    op = FusedOp(name=name, reference=references.residual_gate_add, fused=fused, unsupported=lambda *a: None,
+                 signature=lambda r, u, g: (r.dtype, r.shape[-1]), specialize=specialize)
+    return op, log
+
+
+def test_a_specialised_launcher_is_verified_then_serves_its_layout():
+    op, log = _specialized_op("specialised")
+    args = _args()
+    for _ in range(3):
+        assert torch.equal(_run(op, *args), references.residual_gate_add(*args))
+    assert log == ["specialize", "fast", "fast", "fast"]  # built once, verified, then straight to it
+    assert exactdit.report(show=False)["specialised"]["fused"] == 3
+
+
+def test_a_wrong_specialised_launcher_is_caught_by_verification():
+    op, log = _specialized_op("specialised.wrong", launcher_wrong=True)
+    args = _args()
+    with pytest.warns(ExactditMismatchWarning):
+        out = _run(op, *args)
+    assert torch.equal(out, references.residual_gate_add(*args))
+    _run(op, *args)
+    assert log == ["specialize", "fast"]  # disabled: never served again
+    assert exactdit.report(show=False)["specialised.wrong"]["eager_reasons"] == {
+        "mismatch at verification": 1, "disabled after a mismatch": 1}
+
+
+def test_switches_and_autograd_bypass_the_specialised_launcher(monkeypatch):
+    op, log = _specialized_op("specialised.switches")
+    r, u, g = _args(dtype=torch.float32)
+    _run(op, r, u, g)
+    monkeypatch.setenv("EXACTDIT_DISABLE", "1")
+    _run(op, r, u, g)
+    monkeypatch.delenv("EXACTDIT_DISABLE")
+    u.requires_grad_(True)
+    _run(op, r, u, g).sum().backward()
+    assert u.grad is not None
+    assert log == ["specialize", "fast"]
+    reasons = exactdit.report(show=False)["specialised.switches"]["eager_reasons"]
+    assert reasons == {"disabled by EXACTDIT_DISABLE": 1, "autograd is recording (fused kernels have no backward)": 1}
+
+
+def test_verify_all_disabling_a_signature_retires_its_launcher(monkeypatch):
+    op, log = _specialized_op("specialised.retired")
+    args = _args()
+    _run(op, *args)
+    monkeypatch.setenv("EXACTDIT_VERIFY_ALL", "1")
+    log.clear()
+    _run(op, *args)
+    assert log == ["specialize", "fast"]  # each checked call verifies its launcher again
+    op_wrong, _ = _specialized_op("x", launcher_wrong=True)
+    object.__setattr__(op, "specialize", op_wrong.specialize)
+    with pytest.warns(ExactditMismatchWarning):
+        _run(op, *args)
+    monkeypatch.delenv("EXACTDIT_VERIFY_ALL")
+    assert torch.equal(_run(op, *args), references.residual_gate_add(*args))  # eager, not the old launcher
+    assert exactdit.report(show=False)["specialised.retired"]["eager_reasons"]["disabled after a mismatch"] == 1

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from exactdit import gate
+from exactdit import gate, launch
 from exactdit.engine import kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
@@ -68,6 +68,7 @@ class RegionOp:
             unsupported=self._unsupported,
             signature=self._signature,
             cuda_numerics=bool(region.reductions) or any(cuda_only(n) for n in region.nodes),
+            specialize=self._specialize,
         )
 
     def __call__(self, *inputs):
@@ -94,14 +95,67 @@ class RegionOp:
             inputs = tuple(torch.view_as_real(t) if c else t for t, c in zip(inputs, self._complex_inputs))
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
         if gate.poison_outputs():
-            for out in outs:
-                out.view(_INT_VIEW[out.dtype]).fill_(_POISON[out.dtype])
+            _poison(outs)
         tensors = (inputs, outs, self._tables(device)[0])
         strides = ([t.stride() for t in inputs], self._out_strides)
         for launch in self._launches(device):
             args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in launch.params]
             launch.fn[launch.grid](*args, **launch.kwargs)
         return tuple(outs)
+
+    def _specialize(self, *inputs):
+        """``fast(*inputs, poisoned=False)`` for calls whose inputs have exactly these inputs'
+        layout (the gate's key): generated Python that allocates the outputs and calls each
+        kernel's compiled launcher with every stride and constexpr already in place - no
+        argument binding, key building or cache lookups per call. None where Triton's compiled
+        launchers cannot be called directly (the interpreter, other Triton versions)."""
+        device = gate.args_device(inputs)
+        if not launch.supported(device):
+            return None
+        views = tuple(torch.view_as_real(t) if c else t
+                      for t, c in zip(inputs, self._complex_inputs or [False] * len(inputs)))
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
+        data = self._tables(device)[0]
+        names = {}
+        for group, prefix in ((views, "in"), (outs, "out"), (data, "tab")):
+            for i, t in enumerate(group):
+                names.setdefault(id(t), f"{prefix}{i}")
+        scope = {"current_device": launch.current_device, "current_stream": launch.current_stream,
+                 "hooks_installed": launch.hooks_installed, "view_as_real": torch.view_as_real,
+                 "plain": self._fused, "poison": _poison}
+        scope.update({f"tab{i}": t for i, t in enumerate(data)})
+
+        def name_of(value) -> str:  # literals inline, everything else through the scope
+            if id(value) in names:
+                return names[id(value)]
+            if value is None or type(value) in (int, bool):
+                return repr(value)
+            scope[f"const{len(scope)}"] = value
+            return f"const{len(scope) - 1}"
+
+        params = ", ".join(f"in{i}" for i in range(len(inputs)))
+        lines = [f"def fast({params}, poisoned=False):",
+                 # launchers are loaded on one device, and skip Triton's launch hooks
+                 f"    if current_device() != {device.index} or hooks_installed():",
+                 f"        return plain({params})"]
+        lines += [f"    in{i} = view_as_real(in{i})" for i, c in enumerate(self._complex_inputs or ()) if c]
+        for j, (shape, stride, dtype) in enumerate(self._out_layout):
+            # new_empty_strided of a kept empty tensor: fewer arguments to parse than empty_strided
+            like = name_of(torch.empty(0, dtype=dtype, device=device))
+            lines.append(f"    out{j} = {like}.new_empty_strided({shape!r}, {stride!r})")
+        outputs = "".join(f"out{j}, " for j in range(len(outs)))
+        lines += [f"    if poisoned:", f"        poison(({outputs}))", f"    stream = current_stream({device.index})"]
+        tensors = (views, outs, data)
+        strides = ([t.stride() for t in views], self._out_strides)
+        for plan in self._launches(device):
+            args = tuple(tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in plan.params)
+            compiled = launch.compile_for(plan.fn, plan.grid, args, plan.kwargs, device)
+            exprs = [name_of(compiled.call)] + [name_of(v) for v in compiled.head] + ["stream"]
+            exprs += [name_of(v) for v in compiled.tail + tuple(compiled.arguments)]
+            lines.append(f"    {exprs[0]}({', '.join(exprs[1:])})")
+        lines.append(f"    return ({outputs})")
+        exec(compile("\n".join(lines), f"<exactdit launch plan {self.region.name}>", "exec"), scope)  # noqa: S102
+        return scope["fast"]
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -153,6 +207,11 @@ class _Launch:
     #: per kernel parameter: (0 inputs / 1 outputs / 2 tables, index, dim for a stride or -1)
     params: tuple[tuple[int, int, int], ...]
     kwargs: dict
+
+
+def _poison(outs) -> None:
+    for out in outs:
+        out.view(_INT_VIEW[out.dtype]).fill_(_POISON[out.dtype])
 
 
 def region_call_target(op: RegionOp):

@@ -38,6 +38,10 @@ CONFIGS_14B = {
     # Wan2.1-T2V-14B: dim 5120 (40 heads of 128), FFN 13824, 40 blocks, UMT5-XXL text 4096-d
     "full": dict(_COMMON, num_attention_heads=40, attention_head_dim=128, text_dim=4096, ffn_dim=13824,
                  num_layers=40),
+    # Wan2.2-TI2V-5B's transformer: dim 3072 (24 heads of 128), FFN 14336, 30 blocks, the 48 latent
+    # channels of Wan2.2's VAE (forward_inputs gives it that VAE's shapes and per-token timesteps)
+    "ti2v-5b": dict(_COMMON, in_channels=48, out_channels=48, num_attention_heads=24, attention_head_dim=128,
+                    text_dim=4096, ffn_dim=14336, num_layers=30),
 }
 
 # Wan2.1-T2V-1.3B: dim 1536 (12 heads of 128), FFN 8960, 30 blocks; the small test configs are shared.
@@ -63,20 +67,29 @@ def _components(req: ComponentRequest, flow_shift: float) -> dict:
 
 def forward_inputs(req: ForwardRequest) -> dict:
     """hidden_states [B, 16, (F-1)/4+1, H/8, W/8]; text [B, max_text_len, 4096] with each row's real
-    tokens then zeros; timestep int64 ``round(1000 * sigma)``."""
+    tokens then zeros; timestep int64 ``round(1000 * sigma)``.
+
+    A 48-channel transformer (Wan2.2-TI2V-5B) gets what WanPipeline gives it with Wan2.2's VAE and
+    ``expand_timesteps``: latents [B, 48, (F-1)/4+1, H/16, W/16] and one float32 timestep per token,
+    ``(ones * t).flatten()`` expanded over the batch (stride 0)."""
     cfg = req.transformer.config
     gen = req.generator()
     frames = (req.num_frames - 1) // 4 + 1
-    latents = req.randn(gen, req.batch, cfg.in_channels, frames, req.height // 8, req.width // 8)
+    wan22 = cfg.in_channels == 48
+    scale = 16 if wan22 else 8
+    latents = req.randn(gen, req.batch, cfg.in_channels, frames, req.height // scale, req.width // scale)
     text = req.randn(gen, req.batch, req.max_text_len, cfg.text_dim)
     for i, n in enumerate(req.text_lens):
         text[i, n:] = 0
-    return dict(
-        hidden_states=latents,
-        timestep=torch.full((req.batch,), round(1000 * req.sigma), dtype=torch.int64, device=req.device),
-        encoder_hidden_states=text,
-        attention_kwargs=None,
-    )
+    t = round(1000 * req.sigma)
+    if wan22:
+        _, ph, pw = cfg.patch_size
+        tokens = frames * (req.height // scale // ph) * (req.width // scale // pw)
+        timestep = torch.full((tokens,), float(t), dtype=torch.float32, device=req.device).unsqueeze(0)
+        timestep = timestep.expand(req.batch, -1)
+    else:
+        timestep = torch.full((req.batch,), t, dtype=torch.int64, device=req.device)
+    return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, attention_kwargs=None)
 
 
 # dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)

@@ -48,17 +48,22 @@ def forward_case(name, tr, height, width, batch, cuda_graphs=False) -> dict:
                 equal=all(_equal(out, ref) for out in outs))
 
 
+def _result(output):
+    """A pipeline output's latents: ``images`` for image pipelines, ``frames`` for video ones."""
+    return output.frames if hasattr(output, "frames") else output.images
+
+
 def sample_case(name, config, steps, cuda_graphs=False) -> dict:
     pipe = models.build_pipeline(name, config, dtype=torch.bfloat16, device=DEVICE)
     kw = lambda: models.pipeline_call_kwargs(name, steps=steps)  # noqa: E731 (a fresh generator per run)
     with torch.no_grad():
         t = time.perf_counter()
-        eager = pipe(**kw()).images
+        eager = _result(pipe(**kw()))
         t_eager = time.perf_counter() - t
         exactdit.patch(pipe, cuda_graphs=cuda_graphs)
         try:
             t = time.perf_counter()
-            patched = pipe(**kw()).images
+            patched = _result(pipe(**kw()))
             t_patched = time.perf_counter() - t
         finally:
             exactdit.unpatch(pipe)

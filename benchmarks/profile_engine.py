@@ -65,10 +65,11 @@ def main() -> None:
     print("\n".join(coverage.summary_lines([g for g, _, _ in measured])), flush=True)
     regions_out = []
     for graph, timer, partition in measured:
+        values = {n.name: v for n, v in timer.values.items()}  # the partition is of a prepared copy
         for region in partition.regions:
             op = RegionOp(region)
-            args_ = [timer.values[n] for n in region.inputs]
-            floor = (nbytes(args_) + sum(nbytes(timer.values[n]) for n in region.outputs)) / bandwidth / 1e6
+            args_ = [values[n.name] for n in region.inputs]
+            floor = (nbytes(args_) + sum(nbytes(values[n.name]) for n in region.outputs)) / bandwidth / 1e6
             regions_out.append(dict(graph=graph.name, region=region.name, kind=region.describe(), blocks=graph.blocks,
                                     eager_ms=gpu_ms(lambda: op.reference(*args_)), fused_ms=gpu_ms(lambda: op(*args_)),
                                     floor_ms=floor, call_us=call_us(lambda: op(*args_))))

@@ -4,6 +4,8 @@ the backend and the patch. Kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import operator
+import re
 import warnings
 
 import pytest
@@ -396,6 +398,40 @@ def test_per_token_modulation_picked_by_an_integer_index(index_dtype):
               rand((2, 1, 64), torch.bfloat16, "cpu", g), rand((2, 1, 64), torch.bfloat16, "cpu", g)]
     report = _rewritten_run(build, inputs)
     assert any("eq" in line and "fused" in line for line in report.lines()), report.lines()
+
+
+def test_per_token_modulation_read_in_pieces_fuses_into_each_consumer():
+    # Wan2.2-TI2V-5B: one timestep per token, (table + temb.float()).chunk(6, dim=2) read by six
+    # regions: each computes its own piece instead of ATen writing the float32 sum
+    cfg = dict(models.get_spec("wan").config("tiny"), in_channels=48, out_channels=48)
+    tr = models.build_transformer("wan", cfg, dtype=torch.bfloat16, seed=4)
+    kw = models.forward_inputs("wan", tr, batch=2, seed=5, height=64, width=64, num_frames=5)
+    assert kw["timestep"].shape == (2, 2 * 2 * 2) and kw["timestep"].stride(0) == 0
+    for _, gm, inputs in capture_graphs(tr, kw):
+        report = _rewrite_and_check(gm, inputs, "wan2.2")
+        left = next(line for line in report.lines() if "left to ATen" in line)
+        assert re.search(r"\b(add|_to_copy) x", left) is None, left
+    # the coverage report counts the captured sum, which no longer runs, as fused
+    assert all(g.share == 1.0 for g, _, _ in coverage.measure(tr, kw))
+
+
+def test_a_value_read_whole_and_in_pieces_is_computed_once():
+    from exactdit.engine.backend import split_per_piece
+
+    x, t = torch.randn(4, 3, 8, dtype=torch.bfloat16), torch.randn(3, 8)
+    b = GraphBuilder()
+    total = b.op(aten.add.Tensor, b.op(aten._to_copy.default, b.input(x), dtype=torch.float32), b.input(t))
+    gm = b.module(*[b.op(aten.mul.Tensor, piece, 2.0) for piece in b.op(aten.split.Tensor, total, 1, 1)])
+    expected = gm(x, t)
+    assert split_per_piece(gm.graph) == 3  # each piece gets its own add and cast
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes].count(aten.add.Tensor) == 3
+    assert [n.target for n in gm.graph.nodes].count(aten._to_copy.default) == 3
+    assert all(torch.equal(a, e) for a, e in zip(gm(x, t), expected))
+    b = GraphBuilder()
+    total = b.op(aten.add.Tensor, b.input(x), b.input(t))
+    gm = b.module(total, *b.op(aten.split.Tensor, total, 1, 1))
+    assert split_per_piece(gm.graph) == 0  # also read whole: computed once, as captured
 
 
 def test_collectives_are_neither_merged_nor_reordered():

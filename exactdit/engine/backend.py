@@ -19,6 +19,7 @@ import logging
 import operator
 import time
 
+import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -30,6 +31,13 @@ from exactdit.engine.runtime import RegionOp, region_call_target
 logger = logging.getLogger("exactdit")
 
 _graph_ids = itertools.count()
+aten = torch.ops.aten
+
+#: node meta key: the name of the captured node a node was copied from (coverage maps times through it)
+COPY_OF = "exactdit_copy_of"
+
+#: list views that hand out pieces of a value
+_PIECEWISE = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 
 #: namespaces of distributed collectives: side effects across ranks, whatever their schemas say
 _COLLECTIVES = ("_c10d_functional", "c10d_functional", "c10d")
@@ -39,13 +47,19 @@ def rewrite(gm: fx.GraphModule, label: str) -> coverage.GraphReport:
     """Replace the regions of ``gm`` (an ATen graph) by fused calls. The new graph is built
     beside the old one and swapped in only when complete."""
     start = time.perf_counter()
-    dedupe(gm.graph)
+    prepare(gm.graph)
     partition = find_regions(gm, prefix=label)
     report = coverage.GraphReport.of(label, gm, partition)
     gm.graph = _rewritten(gm.graph, partition.regions)
     gm.recompile()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def prepare(graph: fx.Graph) -> None:
+    """What the graph goes through before its regions are chosen (:func:`dedupe`, :func:`split_per_piece`)."""
+    dedupe(graph)
+    split_per_piece(graph)
 
 
 def dedupe(graph: fx.Graph) -> int:
@@ -69,6 +83,75 @@ def dedupe(graph: fx.Graph) -> int:
             graph.erase_node(node)
             removed += 1
     return removed
+
+
+def split_per_piece(graph: fx.Graph) -> int:
+    """A pointwise value that is only read in pieces (``split`` / ``chunk`` / ``unbind``) is
+    computed once per piece, each copy read by that piece alone: Wan2.2-TI2V's per-token
+    modulation ``(table + temb.float()).chunk(6, dim=2)`` then fuses into each consumer's region,
+    which reads its sixth of ``temb`` instead of ATen writing (and every region reading) the
+    whole float32 sum. The copies are the same deterministic ops on the same inputs, so every
+    piece keeps its bits; the work is the same (each copy is evaluated on its piece only).
+    Returns the number of pieces given their own copy."""
+    made = 0
+    for split in list(graph.nodes):
+        if split.op != "call_function" or split.target not in _PIECEWISE:
+            continue
+        pieces = list(split.users)
+        chain = _private_pointwise(split.args[0])
+        if len(pieces) < 2 or chain is None or not all(_read_by_fused_ops(p) for p in pieces):
+            continue  # a piece ATen would read: its copy would compute the whole value again
+        for piece in pieces:
+            env: dict[fx.Node, fx.Node] = {}
+            with graph.inserting_before(piece):
+                for n in chain + [split, piece]:
+                    env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+                    env[n].meta[COPY_OF] = n.meta.get(COPY_OF, n.name)
+            piece.replace_all_uses_with(env[piece])
+            graph.erase_node(piece)
+        for n in reversed(chain + [split]):
+            graph.erase_node(n)
+        made += len(pieces)
+    return made
+
+
+def _read_by_fused_ops(piece: fx.Node) -> bool:
+    """Whether ``piece`` (a getitem of a split) is read only by ops a region can hold, looking
+    through views."""
+    from exactdit.engine.aten_ops import VIEW, rule_for
+    from exactdit.engine.partition import candidate_reason
+
+    if piece.target is not operator.getitem:
+        return False
+    todo = list(piece.users)
+    while todo:
+        n = todo.pop()
+        if n.op != "call_function" or candidate_reason(n) is not None:
+            return False
+        if rule_for(n) is not None and rule_for(n).kind == VIEW:
+            todo.extend(n.users)
+    return True
+
+
+def _private_pointwise(value: fx.Node) -> list[fx.Node] | None:
+    """``value`` and the producers only it reads, in graph order, when all are pointwise ops or
+    views the engine emits; None otherwise (or when ``value`` has other readers)."""
+    from exactdit.engine.aten_ops import POINTWISE, VIEW, rule_for, why_not_fusable
+
+    if len(value.users) != 1:
+        return None
+    chain, todo = {value}, [value]
+    while todo:
+        n = todo.pop()
+        rule = rule_for(n)
+        if rule is None or rule.kind not in (POINTWISE, VIEW) or why_not_fusable(n) is not None:
+            return None
+        for p in n.all_input_nodes:
+            if p.op == "call_function" and p not in chain and all(u in chain for u in p.users):
+                chain.add(p)
+                todo.append(p)
+    order = {n: i for i, n in enumerate(value.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
 
 
 def _pure(target) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import threading
 
@@ -110,7 +111,10 @@ class GraphTime:
 def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, object]]:
     """Capture ``model``'s block graphs on one forward with ``kwargs``, time each ATen op of each
     graph run eagerly op by op (CUDA events on the GPU), and split the time by what the engine
-    fuses. Returns [(GraphTime, the NodeTimer with every node's value, the partition)]."""
+    fuses. Returns [(GraphTime, the NodeTimer with every node's value, the partition)]; the
+    partition's nodes belong to the prepared copy of the graph (same names as the captured nodes
+    they stand for)."""
+    from exactdit.engine.backend import COPY_OF, prepare
     from exactdit.engine.capture import NodeTimer, capture_graphs
     from exactdit.engine.partition import _is_compute, find_regions
 
@@ -123,9 +127,15 @@ def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, 
         seen.add(cls)
         node_timer = (timer or NodeTimer)(gm)
         ms = node_timer.timed(inputs)
-        partition = find_regions(gm, f"{cls}#{k}")
-        fused = {n for r in partition.regions for n in r.nodes}
+        # regions of the graph as rewrite() prepares it (copies keep their origin's name), eager
+        # time of the graph as captured: a captured op counts as fused unless something made
+        # from it is left to ATen
+        prepared = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        prepare(prepared.graph)
+        partition = find_regions(prepared, f"{cls}#{k}")
+        left_names = {n.meta.get(COPY_OF, n.name) for n in partition.left}
         other = {n: t for n, t in ms.items() if _is_compute(n) and not is_gemm_or_attention(n)}
+        fused = {n for n in other if n.name not in left_names}
         left = collections.Counter()
         for n, t in other.items():
             if n not in fused:

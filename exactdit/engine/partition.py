@@ -48,7 +48,8 @@ def _is_compute(node: fx.Node) -> bool:
     return rule is None or rule.kind != VIEW
 
 
-def _candidate_reason(node: fx.Node) -> str | None:
+def candidate_reason(node: fx.Node) -> str | None:
+    """None when a region can hold ``node`` (an op the engine emits, or a reduction); else why not."""
     if node.op != "call_function":
         return "not an op"
     if reduction_kind(node) is not None:
@@ -314,7 +315,7 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
     reasons: dict[fx.Node, str] = {}
     candidates = set()
     for n in graph.nodes:
-        why = _candidate_reason(n)
+        why = candidate_reason(n)
         if why is None:
             candidates.add(n)
         elif _is_compute(n):

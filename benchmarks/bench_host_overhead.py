@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import sys
@@ -117,11 +118,14 @@ def main() -> None:
     x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
     noop = gate.FusedOp(name="host.noop", reference=lambda *a: a[0], fused=lambda *a: a[0],
                         unsupported=lambda *a: None, signature=lambda *a: ("noop",))
+    planned = dataclasses.replace(noop, name="host.noop.planned",
+                                  specialize=lambda *a: (lambda *b, poisoned=False: b[0]))
     supported, gate.backend_support = gate.backend_support, lambda tensors: None  # the CPU too
     try:
-        gate.dispatch(noop, x, x, x)  # verifies
-        row("gate bookkeeping per call (verified, no kernel)", per_call_us(lambda: gate.dispatch(noop, x, x, x),
-                                                                         args.calls, lambda: None))
+        for op, what in ((noop, "no launch plan"), (planned, "launch plan")):
+            gate.dispatch(op, x, x, x)  # verifies
+            row(f"gate bookkeeping per call (verified, {what}, no kernel)",
+                per_call_us(lambda: gate.dispatch(op, x, x, x), args.calls, lambda: None))
     finally:
         gate.backend_support = supported
 

@@ -51,13 +51,19 @@ def _triton_convention() -> bool:
     if INTERPRET:
         return False
     try:
-        from triton.compiler.compiler import CompiledKernel
         from triton.runtime.jit import JITFunction
-
-        source = " ".join(inspect.getsource(JITFunction.run).split())
-    except Exception:  # noqa: BLE001 - no Triton source to read: launch through fn[grid]
+    except ImportError:
         return False
-    return hasattr(CompiledKernel, "__getitem__") and all(" ".join(p.split()) in source for p in _CONVENTION)
+    return passes_all_bound_arguments(JITFunction.run)
+
+
+def passes_all_bound_arguments(run) -> bool:
+    """Whether ``run`` (a ``JITFunction.run``) launches with :data:`_CONVENTION`'s statement."""
+    try:
+        source = " ".join(inspect.getsource(run).split())
+    except (OSError, TypeError):  # no source to read: launch through fn[grid]
+        return False
+    return all(" ".join(part.split()) in source for part in _CONVENTION)
 
 
 def hooks_installed() -> bool:
@@ -124,6 +130,7 @@ def _plain_cuda_launcher(launcher) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _forwards_to_c_launch(cls) -> bool:
+    """Whether ``cls.__call__`` only allocates scratch and calls ``self.launch`` as Triton 3.6's does."""
     try:
         source = " ".join(inspect.getsource(cls.__call__).split())
     except (OSError, TypeError):

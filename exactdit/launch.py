@@ -6,7 +6,7 @@ it binds the arguments, builds the specialisation key (dtypes, integer values, p
 looks the compiled kernel up and builds launch metadata. When everything that key looks at is fixed -
 which is what a verified gate signature fixes - that work can be done once. :func:`compile_for`
 compiles (or finds) the kernel for one set of arguments without launching it and returns a
-:class:`Launch`: the compiled kernel's launcher with every argument but the stream and the
+:class:`CompiledLaunch`: the compiled kernel's launcher with every argument but the stream and the
 kernel's own parameters bound (for Triton 3.6's CUDA launcher, its C launch function itself).
 
 The kernel's parameters are passed as ``JITFunction.run`` passes them: all bound arguments,
@@ -68,7 +68,7 @@ def passes_all_bound_arguments(run) -> bool:
 
 
 def hooks_installed() -> bool:
-    """Whether a Triton launch hook (e.g. a profiler's) is set: :class:`Launch` would skip it."""
+    """Whether a Triton launch hook (e.g. a profiler's) is set: :class:`CompiledLaunch` would skip it."""
     runtime = _knobs().runtime
     return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
 
@@ -86,7 +86,7 @@ def _knobs():
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class CompiledLaunch:
     """A compiled kernel ready to launch: ``call(*head, stream, *tail, *arguments)`` launches it on
     ``stream`` with ``arguments`` (every kernel parameter in declaration order). Triton's launch
     hooks are not called: callers launch through ``fn[grid]`` while :func:`hooks_installed`."""
@@ -97,7 +97,7 @@ class Launch:
     arguments: list
 
 
-def compile_for(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device) -> Launch:
+def compile_for(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device) -> CompiledLaunch:
     """Compile ``fn`` for exactly these arguments on ``device`` without launching it. Raises
     what Triton raises for a kernel that cannot compile."""
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -112,8 +112,8 @@ def compile_for(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: to
     if _plain_cuda_launcher(launcher):  # its C launch directly: no scratch to allocate
         tail = (kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                 kernel.packed_metadata, None, None, None)
-        return Launch(launcher.launch, head, tail, arguments)
-    return Launch(launcher, head, (kernel.function, kernel.packed_metadata, None, None, None), arguments)
+        return CompiledLaunch(launcher.launch, head, tail, arguments)
+    return CompiledLaunch(launcher, head, (kernel.function, kernel.packed_metadata, None, None, None), arguments)
 
 
 #: Triton 3.6's CudaLauncher hands its arguments to the C launch with two scratch buffers inserted.

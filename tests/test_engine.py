@@ -222,7 +222,7 @@ def interpreted_launchers(monkeypatch):
             launched.append(fn)
             fn[grid](**dict(zip(fn.arg_names, values)), **options)
 
-        return launch.Launch(call, (grid[0],), (), launch.bound_arguments(fn, args, kwargs))
+        return launch.CompiledLaunch(call, (grid[0],), (), launch.bound_arguments(fn, args, kwargs))
 
     monkeypatch.setattr(launch, "supported", lambda device: True)
     monkeypatch.setattr(launch, "current_device", lambda: None)  # a CPU tensor's device index

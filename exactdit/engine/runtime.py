@@ -98,9 +98,9 @@ class RegionOp:
             _poison(outs)
         tensors = (inputs, outs, self._tables(device)[0])
         strides = ([t.stride() for t in inputs], self._out_strides)
-        for launch in self._launches(device):
-            args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in launch.params]
-            launch.fn[launch.grid](*args, **launch.kwargs)
+        for step in self._launches(device):  # (not `launch`: that is the module of compiled launches)
+            args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in step.params]
+            step.fn[step.grid](*args, **step.kwargs)
         return tuple(outs)
 
     def _specialize(self, *inputs):

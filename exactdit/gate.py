@@ -95,12 +95,13 @@ class _OpStats:
 
 class _Plan:
     """What the gate knows about one argument layout: why it runs eager (or None), its signature,
-    and once verified the op's specialised launcher for it."""
+    and once verified the op's specialised launcher for it (``specialized``: asked for once,
+    so an op that has none for this layout is not asked again on every call)."""
 
-    __slots__ = ("reason", "signature", "fast")
+    __slots__ = ("reason", "signature", "fast", "specialized")
 
     def __init__(self, reason: Reason | None, signature: tuple | None):
-        self.reason, self.signature, self.fast = reason, signature, None
+        self.reason, self.signature, self.fast, self.specialized = reason, signature, None, False
 
 
 _MAX_PLANS = 4096
@@ -264,7 +265,8 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         _count_eager(st, "disabled after a mismatch")
         return op.reference(*args)
     trusted = sig in st.verified and not _flag("EXACTDIT_VERIFY_ALL")
-    if trusted and plan.fast is None and op.specialize is not None:
+    if trusted and not plan.specialized and op.specialize is not None:
+        plan.specialized = True
         try:  # a new layout of a verified signature (e.g. another GPU of the same kind)
             plan.fast = op.specialize(*args)
         except Exception:  # noqa: BLE001 - the plain launch path stays available
@@ -282,6 +284,7 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
     _local.verifying = True
     fast = None
     try:
+        plan.specialized = True
         fast = op.specialize(*args) if op.specialize is not None else None
         out = fast(*args, poisoned=True) if fast is not None else op.fused(*args)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot compile or launch must not break the model

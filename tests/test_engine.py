@@ -17,7 +17,7 @@ import exactdit
 from exactdit import gate
 from exactdit.engine import coverage, tables
 from exactdit.engine.backend import rewrite
-from exactdit.engine.indexing import Atom, Ix, broadcast_index, reshape_index
+from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, trusted
 from tests.helpers import assert_bits_equal, rand
@@ -48,14 +48,36 @@ def test_index_bounds_and_broadcast():
     assert broadcast_index(_atoms((2, 5, 8)), (2, 5, 8), (2, 1, 8))[1] == Ix()
 
 
+def test_column_values_follow_what_an_index_computes():
+    c = Atom("c", 512, True)
+    head = Ix.of(c).mod(128)  # a column within its head, as a view to heads gives it
+    partner_even = Ix.of(c).floordiv(128) * 128 + head.floordiv(2) * 2  # x[..., 0::2] of that head
+    assert column_values(partner_even, c) == [v & ~1 for v in range(512)]
+    assert column_values(partner_even + 1, c) == [v | 1 for v in range(512)]
+    assert column_values(Ix.of(Atom("r", 4, False)) + Ix.of(c), c) is None  # another atom: unknown
+    assert column_values(Ix.of(c).minus_const(1), c) is None  # an opaque subtraction
+
+
 # --- op rules against CPU eager (pointwise regions are checked by the gate on the CPU) ---------
 
 
-def _rewritten_run(build, inputs):
-    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`_rewrite_and_check`)."""
+def _rewritten_run(build, inputs, sources: list | None = None):
+    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`_rewrite_and_check`);
+    the generated kernels' sources are appended to ``sources``."""
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
-    return _rewrite_and_check(b.module(*build(b, *nodes)), inputs)
+    gm = b.module(*build(b, *nodes))
+    report = _rewrite_and_check(gm, inputs)
+    if sources is not None:
+        sources.extend(k.source for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
+                       for _, k in n.target.exactdit_region.kernels())
+    return report
+
+
+def _assert_pairs_move_within_threads(sources):
+    """The rotary partner comes from the lane next door: no gather, no second load of the row."""
+    assert any("rows_k.pair_" in s for s in sources), sources
+    assert not any("tl.gather" in s for s in sources), sources
 
 
 def _rewrite_and_check(gm, inputs, label: str = "test"):
@@ -140,10 +162,10 @@ def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
     assert any("layer_norm" in d for d, _ in report.regions.values())
 
 
-@pytest.mark.parametrize("head_dim", [32, 128, 1024])
+@pytest.mark.parametrize("head_dim", [32, 128, 1024, 2560])
 def test_fused_rms_norm_cat_and_rope(head_dim):
     """Flux's QK path: F.rms_norm per head on both streams, cat, interleaved RoPE: one region,
-    one launch per stream, the rotary partner gathered from the tile."""
+    one launch per stream (rows of 1024 take two passes)."""
     g = torch.Generator().manual_seed(head_dim)
     heads = 2
     txt, img = rand((1, 3, heads * head_dim), torch.bfloat16, "cpu", g), rand((1, 5, heads * head_dim), torch.bfloat16, "cpu", g)
@@ -155,8 +177,10 @@ def test_fused_rms_norm_cat_and_rope(head_dim):
         c = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, img, [1, 5, heads, head_dim]), [head_dim], w2, 1e-6)[0]
         return [_rope(b, b.op(aten.cat.default, [a, c], 1), table)]
 
-    report = _rewritten_run(build, [txt, img, w1, w2, table])
+    sources = []
+    report = _rewritten_run(build, [txt, img, w1, w2, table], sources)
     assert "fused_rms_norm" in next(iter(report.regions.values()))[0]
+    _assert_pairs_move_within_threads(sources)
 
 
 @pytest.mark.parametrize("width", [64, 100, 4096])
@@ -380,8 +404,10 @@ def test_rope_written_through_strided_slices_of_an_empty_tensor():
         return (b.op(aten._to_copy.default, out, dtype=torch.bfloat16),)
 
     x = torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)
-    report = _rewritten_run(build, [x, torch.randn(5, 1, 8), torch.randn(5, 1, 8)])
+    sources = []
+    report = _rewritten_run(build, [x, torch.randn(5, 1, 8), torch.randn(5, 1, 8)], sources)
     assert not any("slice_scatter" in line and "left" in line for line in report.lines()), report.lines()
+    _assert_pairs_move_within_threads(sources)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

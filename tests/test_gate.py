@@ -251,12 +251,15 @@ def test_a_nan_mismatch_shows_the_bit_patterns():
     )
 
 
-def _specialized_op(name, *, launcher_wrong=False):
-    """An op with a specialised launcher per layout; ``log`` records which route served each call."""
+def _specialized_op(name, *, launcher_wrong=False, no_launcher=False):
+    """An op with a specialised launcher per layout (``no_launcher``: it has none to give);
+    ``log`` records which route served each call."""
     log = []
 
     def specialize(r, u, g):
         log.append("specialize")
+        if no_launcher:
+            return None
 
         def fast(r, u, g, poisoned=False):
             log.append("fast")
@@ -281,6 +284,15 @@ def test_a_specialised_launcher_is_verified_then_serves_its_layout():
         assert torch.equal(_run(op, *args), references.residual_gate_add(*args))
     assert log == ["specialize", "fast", "fast", "fast"]  # built once, verified, then straight to it
     assert exactdit.report(show=False)["specialised"]["fused"] == 3
+
+
+def test_a_layout_without_a_specialised_launcher_is_not_asked_again():
+    op, log = _specialized_op("specialised.none", no_launcher=True)
+    args = _args()
+    for _ in range(3):
+        assert torch.equal(_run(op, *args), references.residual_gate_add(*args))
+    assert log == ["specialize", "fused", "fused", "fused"]
+    assert exactdit.report(show=False)["specialised.none"]["fused"] == 3
 
 
 def test_a_wrong_specialised_launcher_is_caught_by_verification():

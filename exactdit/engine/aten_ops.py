@@ -657,7 +657,9 @@ def _slice_scatter_emit(em, node, index):
         inside.append(f"((({i.code()}) - {start}) % {step} == 0)")
     kind = FULL if i.per_element else ROW
     cond = em.code.let(" & ".join(inside), "p")
-    local = i.minus_const(start).floordiv(step)
+    # where the condition holds i = start + step * local, so local = i // step - start // step: a
+    # form of i itself (a rotary pair's lanes are then recognised as columns of the same tile)
+    local = i.floordiv(step).minus_const(start // step) if step > 1 else i.minus_const(start)
     src_index = index[:d] + (local,) + index[d + 1:]
     inner = em.guarded(cond, kind, lambda: em.value(src, src_index))
     outer = em.value(base, index)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from exactdit.engine.indexing import Index, Ix, broadcast_index, offset_code
+from exactdit.engine.indexing import Index, Ix, broadcast_index, column_values, offset_code
 
 #: value shapes, ordered
 SCALAR, ROW, FULL = 0, 1, 2
@@ -65,6 +65,10 @@ class Tile:
     #: the tile holds whole rows (columns 0 .. width-1 from tile column 0): a value wanted at
     #: other columns of the same row can be gathered from the tile instead of recomputed
     whole_rows: bool = False
+    #: the tile's last axis holds consecutive columns from an even column, so both columns of
+    #: every pair (2i, 2i + 1) are in the tile, in adjacent lanes: an interleaved rotary
+    #: partner is taken from the lane next door (``rows_k.pair_lane``) instead of recomputed
+    column_pairs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,15 @@ def shape_of(node: Any) -> tuple[int, ...]:
     if not isinstance(val, torch.Tensor):
         raise Unfusable(f"{node} has no tensor value")
     return tuple(int(n) for n in val.shape)
+
+
+#: lane moves within column pairs, by the column each lane reads
+_PAIR_MOVES = {
+    "same": lambda c: c,
+    "rows_k.pair_lane({}, 0)": lambda c: c & ~1,
+    "rows_k.pair_lane({}, 1)": lambda c: c | 1,
+    "rows_k.pair_swapped({})": lambda c: c ^ 1,
+}
 
 
 class Emitter:
@@ -214,14 +227,18 @@ class Emitter:
 
     def _gathered(self, node: fx.Node, index: Index) -> Val | None:
         """``node`` at other columns of the tile's own rows (a rotary partner, a permutation
-        within the row), as a gather from the tile computed at the tile's columns: one set of
-        loads and arithmetic serves both. Needs whole rows in the tile and a node indexed like
-        the domain (same row, same width)."""
+        within the row), taken from ``node`` computed at the tile's columns: one set of loads and
+        arithmetic serves both. Needs a node indexed like the domain (same rows, same width) and
+        either pairs of columns in the tile (columns ``c & ~1``, ``c | 1``, ``c ^ 1``: a lane
+        move within one thread) or whole rows (any column: ``tl.gather``)."""
         tile = self.tile
         column = tile.domain[-1]
-        if not tile.whole_rows or index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
+        if index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
             return None
         if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
+            return None
+        move = self._pair_move(index[-1]) if tile.column_pairs else None
+        if move is None and not tile.whole_rows:
             return None
         saved = self._guard, self._guard_kind
         self._guard, self._guard_kind = None, SCALAR  # every lane of the tile, not one cat piece's
@@ -231,11 +248,29 @@ class Emitter:
             self._guard, self._guard_kind = saved
         if self.effective(natural.kind) != FULL:
             return None
+        if move == "same":
+            return natural
+        if move is not None:
+            return self.let(move.format(natural.name), natural.dtype, FULL, "pl")
         width = column.bound
         lanes = self.code.let(
             f"tl.broadcast_to(tl.minimum({index[-1].code()}, {width - 1}), {tile.full_shape})", "gi")
         return self.let(f"tl.gather({natural.name}, {lanes}, {len(tile.full_shape.split(',')) - 1})",
                         natural.dtype, FULL, "ga")
+
+    def _pair_move(self, ix: Ix) -> str | None:
+        """The lane move (code with ``{}`` for the tile's value) that reads column ``ix`` of each
+        tile column c, when ``ix`` is c, its pair's even or odd column, or its pair partner."""
+        column = self.tile.domain[-1]
+        if len(column.terms) != 1 or column.terms[0][1] != 1 or column.const:
+            return None
+        values = column_values(ix, column.terms[0][0])
+        if values is None:
+            return None
+        for move, of in _PAIR_MOVES.items():
+            if all(v == of(c) for c, v in enumerate(values)):
+                return move
+        return None
 
     def input_operand(self, node: fx.Node) -> Operand:
         op = self.loads.get(node)

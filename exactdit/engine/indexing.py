@@ -145,6 +145,36 @@ class Ix:
         return Ix.of(Atom(f"({self.code()} % {k})", k, self.per_element, (self, "%", k)))
 
 
+def column_values(ix: Ix, column: Atom) -> list[int] | None:
+    """The values of ``ix`` at every value of ``column`` (0 .. bound - 1), where ``ix`` is a form
+    of ``column`` alone (through floor divisions and remainders of it); None otherwise. Lets an
+    index be recognised by what it computes rather than by how its form was written."""
+    memo: dict[Atom, list[int] | None] = {}
+
+    def atom_values(a: Atom) -> list[int] | None:
+        if a == column:
+            return list(range(column.bound))
+        if a not in memo:
+            base = None if a.origin is None else form_values(a.origin[0])
+            if base is None:
+                memo[a] = None
+            else:
+                k = a.origin[2]
+                memo[a] = [v // k for v in base] if a.origin[1] == "//" else [v % k for v in base]
+        return memo[a]
+
+    def form_values(form: Ix) -> list[int] | None:
+        total = [form.const] * column.bound
+        for a, c in form.terms:
+            vals = atom_values(a)
+            if vals is None:
+                return None
+            total = [t + c * v for t, v in zip(total, vals)]
+        return total
+
+    return form_values(ix)
+
+
 def _sorted(coeffs: dict[Atom, int]) -> tuple[tuple[Atom, int], ...]:
     return tuple(sorted(((a, c) for a, c in coeffs.items() if c), key=lambda ac: ac[0].code))
 

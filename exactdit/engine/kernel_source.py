@@ -23,7 +23,7 @@ from exactdit.numerics import (
     add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, round_to, rsqrt_approx, sub_rn, widen, widen_bf16,
 )
 from exactdit.engine.tables import table_lookup
-from exactdit.kernels import layer_norm as ln_k, rms_norm as rms_k, rope as rope_k
+from exactdit.kernels import layer_norm as ln_k, rms_norm as rms_k, rope as rope_k, rows as rows_k
 '''
 
 _modules: dict[str, object] = {}

@@ -221,7 +221,8 @@ def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"row_ok = rows < {n_rows}")
     body.line("mask = row_ok & col_ok")
     index = tuple(_row_atoms(body, "rows", shape)) + (Ix.of(Atom("cols", width, True)),)
-    tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok", whole_rows=grid_c == 1)
+    tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok", whole_rows=grid_c == 1,
+                column_pairs=block_c % 2 == 0)
     em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces=dict(launch.pieces), tables=slots)
     _store_outputs(em, region, launch, index, outs)
     code.extend(body)
@@ -440,7 +441,8 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body = code.scope("        ")
     body.line("cols1 = ln_k.vector_columns(j)")
     body.line(f"mask1 = cols1 < {width}")
-    em = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), "[128, 4]", None, "mask1", None))
+    em = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), "[128, 4]", None, "mask1", None,
+                              column_pairs=True))
     x = t.reduction_input(em, row + (Ix.of(Atom("cols1", width, True)),))
     body.line(f"mean, m2, cnt = ln_k.welford_update({x}, j, {n_vec}, mean, m2, cnt, {choices['rcp_approx']}, "
               f"{unroll and not choices['rcp_approx']}, {full})")
@@ -457,7 +459,8 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"cols2 = k2 * {block} + tl.arange(0, {block})[None, :]")
     body.line(f"mask2 = cols2 < {width}")
     index = row + (Ix.of(Atom("cols2", width, True)),)
-    t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None), stored=t.stored()), index)
+    t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None, column_pairs=True), stored=t.stored()),
+               index)
     code.extend(body)
     return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
 
@@ -485,7 +488,8 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         index = row + (Ix.of(Atom("cols", width, True)),)
         code.line(f"cols = tl.arange(0, {block_n})[None, :]")
         code.line(f"mask = row_ok & (cols < {width})")
-        em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok", whole_rows=True))
+        em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok", whole_rows=True,
+                                  column_pairs=True))
         x = t.reduction_input(em, index)
         code.line(f"acc = rope_k.thread_sums_from_tile(tl.where(mask, {x}, 0.0), {block_r}, {lanes}, "
                   f"{rope_k.SQUARE_FMA})")
@@ -494,15 +498,19 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
         t.epilogue(em, index)
         return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
+    # pass 1 in chunks of one vector per thread: chunk j's tile holds vectors j * threads + t,
+    # each in its thread's registers, so the loads are contiguous and the order is ATen's
+    chunk = 4 * threads
     code.line(f"acc = tl.zeros([{block_r}, {threads}], tl.float32)")
     code.line(f"for j in tl.static_range({iters}):")
-    code.line("    for e in tl.static_range(4):")
-    body = code.scope("            ")
-    body.line(f"cols1 = ((j * {threads} + tl.arange(0, {threads})) * 4 + e)[None, :]")
+    body = code.scope("        ")
+    body.line(f"cols1 = j * {chunk} + tl.arange(0, {chunk})[None, :]")
     body.line(f"mask1 = row_ok & (cols1 < {width})")
     index1 = row + (Ix.of(Atom("cols1", width, True)),)
-    x = t.reduction_input(t.emitter(body, Tile(index1, f"[{block_r}, {threads}]", row_shape, "mask1", "row_ok")), index1)
-    body.line(f"acc = rope_k.square_accumulate(acc, tl.where(mask1, {x}, 0.0), {rope_k.SQUARE_FMA})")
+    tile1 = Tile(index1, f"[{block_r}, {chunk}]", row_shape, "mask1", "row_ok", column_pairs=True)
+    x = t.reduction_input(t.emitter(body, tile1), index1)
+    body.line(f"acc = rope_k.accumulate_vectors(acc, tl.where(mask1, {x}, 0.0), {block_r}, {threads}, "
+              f"{rope_k.SQUARE_FMA})")
     code.extend(body)
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
@@ -516,7 +524,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index2 = row + (Ix.of(Atom("cols2", width, True)),)
     t.epilogue(t.emitter(body, Tile(index2, f"[{block_r}, {tile}]", row_shape, "mask2", "row_ok",
-                                    whole_rows=tile >= width), stored=t.stored()),
+                                    whole_rows=tile >= width, column_pairs=True), stored=t.stored()),
                index2)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
@@ -556,7 +564,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
         body.line(f"cols1 = {j} * {chunk} + tl.arange(0, {chunk})[None, :]")
         body.line(f"mask1 = row_ok & (cols1 < {width})")
         em1 = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), f"[{rows}, {chunk}]",
-                                   f"[{rows}, 1]", "mask1", "row_ok"))
+                                   f"[{rows}, 1]", "mask1", "row_ok", column_pairs=chunk % 2 == 0))
         x = t.reduction_input(em1, row + (Ix.of(Atom("cols1", width, True)),))
         body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
         code.extend(body)
@@ -573,7 +581,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index = row + (Ix.of(Atom("cols2", width, True)),)
     t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok",
-                                    whole_rows=tail >= width), stored=t.stored()), index)
+                                    whole_rows=tail >= width, column_pairs=tail % 2 == 0), stored=t.stored()), index)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // rows),), warps)
 

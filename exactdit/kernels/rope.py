@@ -78,17 +78,24 @@ def square_accumulate(acc, v, SQUARE_FMA: tl.constexpr):
 
 
 @triton.jit
-def thread_sums_from_tile(x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUARE_FMA: tl.constexpr):
-    """Per-thread sums of squares when each thread owns at most one vector (N <= 512), taken
-    from the row tile ``x`` [BLOCK_R, 4 * LANES] already in registers (zeros past the row end):
-    lane t's elements 4t, 4t+1, 4t+2, 4t+3 are split out and accumulated in that order."""
+def accumulate_vectors(acc, x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUARE_FMA: tl.constexpr):
+    """``acc`` [BLOCK_R, LANES] plus the squares of one vector per lane, taken from the tile
+    ``x`` [BLOCK_R, 4 * LANES] of consecutive columns (zeros past the row end): lane t's elements
+    4t, 4t+1, 4t+2, 4t+3 are split out of its registers and accumulated in that order."""
     pairs_lo, pairs_hi = tl.split(tl.reshape(x, [BLOCK_R, LANES, 2, 2]))  # 4t + {0, 2}, 4t + {1, 3}
     v0, v2 = tl.split(pairs_lo)
     v1, v3 = tl.split(pairs_hi)
-    acc = square_accumulate(tl.zeros([BLOCK_R, LANES], dtype=tl.float32), v0, SQUARE_FMA)
+    acc = square_accumulate(acc, v0, SQUARE_FMA)
     acc = square_accumulate(acc, v1, SQUARE_FMA)
     acc = square_accumulate(acc, v2, SQUARE_FMA)
     return square_accumulate(acc, v3, SQUARE_FMA)
+
+
+@triton.jit
+def thread_sums_from_tile(x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUARE_FMA: tl.constexpr):
+    """Per-thread sums of squares when each thread owns at most one vector (N <= 512), from the
+    row tile ``x`` [BLOCK_R, 4 * LANES] already in registers."""
+    return accumulate_vectors(tl.zeros([BLOCK_R, LANES], dtype=tl.float32), x, BLOCK_R, LANES, SQUARE_FMA)
 
 
 @triton.jit

@@ -58,3 +58,24 @@ def elementwise_blocks(n_rows: int, width: int) -> tuple[int, int, tuple[int, in
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (plain Python: triton's helper is slow to call from the host)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+@triton.jit
+def pair_lane(x, LANE: tl.constexpr):
+    """``x`` [R, C] (C even) with each element replaced by lane LANE (0: even, 1: odd) of its
+    column pair (2i, 2i + 1): the element at column ``2 * (c // 2) + LANE``. Pairs sit in
+    adjacent registers of one thread, so no data moves between threads (what ``tl.gather`` or a
+    second load would cost for an interleaved rotary partner)."""
+    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    if LANE == 0:
+        return tl.reshape(tl.join(even, even), [x.shape[0], x.shape[1]])
+    else:
+        return tl.reshape(tl.join(odd, odd), [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def pair_swapped(x):
+    """``x`` [R, C] (C even) with the two lanes of every column pair exchanged: the element at
+    column ``c ^ 1``."""
+    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return tl.reshape(tl.join(odd, even), [x.shape[0], x.shape[1]])

@@ -530,6 +530,21 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
 
 
+def mean_launch_shape(chunk: int, width: int) -> tuple[int, int, int, int]:
+    """(rows per program, warps, loop unroll, pass-2 tile width) of the "mean" template. None of
+    them changes a row's order of additions. Chosen with ``benchmarks/tune_mean_template.py`` on
+    Z-Image-Turbo's regions at 1024^2 (H200): rows of one chunk (q/k norms of 128 + RoPE) take 16
+    rows per program (28.8 us against 36.0 with 4); wider rows 8 warps and 4x unrolling (20.0-30.4
+    us against 23.3-34.7 with the hand kernel's 4 warps and 2x)."""
+    from exactdit.kernels import rms_norm as rms_k
+
+    if width <= chunk:
+        rows = 16
+        return rows, 4, 2, rms_k.tail_block(chunk, width, rows)
+    rows = rms_k.launch_shape(chunk, width)[0]
+    return rows, 8, 4, rms_k.tail_block(chunk, width, rows)
+
+
 def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's generic reduction (Reduce.cuh) of ``x.mean(-1)`` for fp32 rows, in the launch
     configuration ATen picks for this row count (:mod:`exactdit.aten_reduce`)."""
@@ -546,7 +561,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     threads = cfg.block_width * cfg.warps_per_row
     chunk = 4 * threads if cfg.vectorize_input else threads
     n_chunks = -(-width // chunk)
-    rows, warps, unroll, tail = rms_k.launch_shape(chunk, width)
+    rows, warps, unroll, tail = mean_launch_shape(chunk, width)
     factor = _mean_factor(t.n_rows, width)
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")

@@ -29,7 +29,9 @@ from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.tables import CONSTEXPR_FIELDS
 from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, next_power_of_2
 
-#: row tiles per program when a region reads tables (each program loads its tables once)
+#: row tiles per program when a region reads tables (each program loads its tables once). 8 to 32
+#: (as a dynamic loop) measured no faster on Wan's GELU and Z-Image's SwiGLU: the lookups, not
+#: the table loads, set their time (tune_region_templates.py)
 TABLE_TILES = 4
 
 
@@ -215,7 +217,7 @@ def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
     code.line("cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]")
     code.line(f"col_ok = cols < {width}")
     slots = _table_preamble(region, code)
-    code.line("for tile in tl.static_range(TILES):")
+    code.line("for tile in tl.static_range(TILES):")  # unrolled: a dynamic loop of 4 measured 6-9% slower
     body = code.scope("        ")
     body.line("rows = (pid_r * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
     body.line(f"row_ok = rows < {n_rows}")
@@ -465,6 +467,14 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
 
 
+def fused_rms_launch_shape(width: int) -> tuple[int, int]:
+    """(rows per program, warps) of the "fused_rms_norm" template: the hand kernels' tile
+    (:mod:`exactdit.kernels.rope`). Neither changes a row's order of additions."""
+    from exactdit.kernels import rope as rope_k
+
+    return max(1, rope_k.ROW_BLOCK_ELEMENTS // next_power_of_2(width)), rope_k.NUM_WARPS
+
+
 def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's ``vectorized_layer_norm_kernel`` with the rms flag (``F.rms_norm``): 128 threads
     per row, thread t owns the float4 vectors t, t + 128, ...; ``BLOCK_R`` rows per program.
@@ -477,7 +487,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     threads = rope_k.THREADS
     iters = -(-n_vec // threads)
     block_n = next_power_of_2(width)
-    block_r = max(1, rope_k.ROW_BLOCK_ELEMENTS // block_n)
+    block_r, num_warps = fused_rms_launch_shape(width)
     code.line(f"rows = tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
@@ -497,7 +507,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         code.line("rstd_r = rsqrt_approx(add_rn(var, eps))[:, None]")
         t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
         t.epilogue(em, index)
-        return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
+        return t.kernel({}, (-(-t.n_rows // block_r),), num_warps)
     # pass 1 in chunks of one vector per thread: chunk j's tile holds vectors j * threads + t,
     # each in its thread's registers, so the loads are contiguous and the order is ATen's
     chunk = 4 * threads
@@ -527,12 +537,12 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
                                     whole_rows=tile >= width, column_pairs=True), stored=t.stored()),
                index2)
     code.extend(body)
-    return t.kernel({}, (-(-t.n_rows // block_r),), rope_k.NUM_WARPS)
+    return t.kernel({}, (-(-t.n_rows // block_r),), num_warps)
 
 
 def mean_launch_shape(chunk: int, width: int) -> tuple[int, int, int, int]:
     """(rows per program, warps, loop unroll, pass-2 tile width) of the "mean" template. None of
-    them changes a row's order of additions. Chosen with ``benchmarks/tune_mean_template.py`` on
+    them changes a row's order of additions. Chosen with ``benchmarks/tune_region_templates.py`` on
     Z-Image-Turbo's regions at 1024^2 (H200): rows of one chunk (q/k norms of 128 + RoPE) take 16
     rows per program (28.8 us against 36.0 with 4); wider rows 8 warps and 4x unrolling (20.0-30.4
     us against 23.3-34.7 with the hand kernel's 4 warps and 2x)."""

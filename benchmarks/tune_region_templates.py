@@ -1,0 +1,98 @@
+"""Sweep the launch knobs of the engine's kernel templates on a model's own regions.
+
+    python3 benchmarks/tune_region_templates.py --template mean --model zimage --config full --height 1024 --width 1024
+    python3 benchmarks/tune_region_templates.py --template fused_rms_norm --model wan-1.3b --height 480 --width 832 --frames 81
+    python3 benchmarks/tune_region_templates.py --template tables --model wan-1.3b --height 480 --width 832 --frames 81
+
+``--template`` picks the regions of the model's first block graph and the knob swept:
+* ``mean`` (decomposed RMSNorm): rows per program, warps, loop unroll (``templates.mean_launch_shape``);
+* ``fused_rms_norm`` (``F.rms_norm`` + epilogue): rows per program, warps (``templates.fused_rms_launch_shape``);
+* ``tables`` (pointwise regions with bf16 function tables): row tiles per program, which is how
+  often a program loads its tables (``templates.TABLE_TILES``).
+None of these changes a row's order of additions or any value; each variant's outputs are still
+compared with the region's ATen nodes (torch.equal) before it is timed (CUDA-graph replays).
+Prints one line per region and variant (time, multiple of the region's memory floor) and writes
+tune_region_templates_<template>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
+from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
+from exactdit.engine import coverage, templates  # noqa: E402
+from exactdit.engine.runtime import RegionOp  # noqa: E402
+from exactdit.kernels import rms_norm as rms_k  # noqa: E402
+
+
+def _mean_variants():
+    default = templates.mean_launch_shape
+    for rows, warps, unroll in itertools.product([None, 4, 8, 16, 32], [4, 8], [2, 4]):
+        def shape(chunk, width, rows=rows, warps=warps, unroll=unroll):
+            r = default(chunk, width)[0] if rows is None else rows
+            return r, warps, unroll, rms_k.tail_block(chunk, width, r)
+
+        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", "mean_launch_shape", shape
+
+
+def _fused_rms_variants():
+    for rows, warps in itertools.product([1, 2, 4], [4, 8]):
+        yield f"rows={rows} warps={warps}", "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w)
+
+
+def _table_variants():
+    for tiles in [4, 8, 16, 32]:
+        yield f"tiles={tiles}", "TABLE_TILES", tiles
+
+
+SWEEPS = {
+    "mean": (lambda r: r.kind == "mean", _mean_variants),
+    "fused_rms_norm": (lambda r: r.kind == "fused_rms_norm", _fused_rms_variants),
+    "tables": (lambda r: r.kind == "pointwise" and bool(r.tables), _table_variants),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--template", choices=sorted(SWEEPS), default="mean")
+    add_model_args(ap)
+    args = ap.parse_args()
+    os.environ["EXACTDIT_TRUST"] = "1"  # equality is checked here, once per variant
+    bandwidth = copy_bandwidth_gbs()
+    tr, kw = model_and_inputs(args)
+    graph, timer, partition = coverage.measure(tr, kw)[0]
+    values = {n.name: v for n, v in timer.values.items()}
+    picks, variants = SWEEPS[args.template]
+    results = []
+    for region in [r for r in partition.regions if picks(r)]:
+        inputs = [values[n.name] for n in region.inputs]
+        floor = (nbytes(inputs) + sum(nbytes(values[n.name]) for n in region.outputs)) / bandwidth / 1e6
+        expected = RegionOp(region).reference(*inputs)
+        for label, knob, value in variants():
+            default = getattr(templates, knob)
+            setattr(templates, knob, value)
+            try:
+                region.kernels = [templates.generate(region, launch) for launch in region.launches]
+            finally:
+                setattr(templates, knob, default)
+            op = RegionOp(region)
+            out = op(*inputs)
+            equal = all(torch.equal(a, b) for a, b in zip(out, expected))
+            ms = gpu_ms(lambda: op(*inputs))
+            results.append(dict(region=region.name, kind=region.describe(), width=region.domain[-1], variant=label,
+                                us=1e3 * ms, x_floor=ms / floor, equal=equal))
+            print(f"| {region.name} | {region.domain[-1]} | {label} | {1e3 * ms:.1f} | {ms / floor:.2f} | {equal} |",
+                  flush=True)
+    write_json(f"tune_region_templates_{args.template}.json", {"model": args.model, "results": results, **environment()})
+
+
+if __name__ == "__main__":
+    main()

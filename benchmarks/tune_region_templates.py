@@ -40,17 +40,17 @@ def _mean_variants():
             r = default(chunk, width)[0] if rows is None else rows
             return r, warps, unroll, rms_k.tail_block(chunk, width, r)
 
-        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", "mean_launch_shape", shape
+        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", templates, "mean_launch_shape", shape
 
 
 def _fused_rms_variants():
     for rows, warps in itertools.product([1, 2, 4], [4, 8]):
-        yield f"rows={rows} warps={warps}", "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w)
+        yield f"rows={rows} warps={warps}", templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w)
 
 
 def _table_variants():
     for tiles in [4, 8, 16, 32]:
-        yield f"tiles={tiles}", "TABLE_TILES", tiles
+        yield f"tiles={tiles}", templates, "TABLE_TILES", tiles
 
 
 SWEEPS = {
@@ -76,13 +76,13 @@ def main() -> None:
         inputs = [values[n.name] for n in region.inputs]
         floor = (nbytes(inputs) + sum(nbytes(values[n.name]) for n in region.outputs)) / bandwidth / 1e6
         expected = RegionOp(region).reference(*inputs)
-        for label, knob, value in variants():
-            default = getattr(templates, knob)
-            setattr(templates, knob, value)
+        for label, module, knob, value in variants():
+            default = getattr(module, knob)
+            setattr(module, knob, value)
             try:
                 region.kernels = [templates.generate(region, launch) for launch in region.launches]
             finally:
-                setattr(templates, knob, default)
+                setattr(module, knob, default)
             op = RegionOp(region)
             out = op(*inputs)
             equal = all(torch.equal(a, b) for a, b in zip(out, expected))

@@ -6,7 +6,8 @@ device for every bit pattern, so the fused result is eager's by construction, wh
 FMA contraction or approximation eager's kernel used.
 
 Reading 2^16 entries from global memory for every element would be slow, so the table is cut to
-a window of magnitudes ``[lo, lo + win)`` per sign, kept on chip (``tl.gather``), and the two
+a window of magnitudes ``[lo, lo + win)`` per sign, kept on chip (``tl.gather``; loading the
+window's entries from L1 instead measured 1.35x slower on Wan's GELU region), and the two
 tails outside it follow one of three rules found from the table itself: the input unchanged
 (``gelu``/``silu`` of large positive values), ``round(x * 0.5)`` (``gelu``/``silu`` of tiny
 values) or one constant (``tanh`` of large values, ``exp`` of tiny ones). Infinities and NaN

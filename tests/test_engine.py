@@ -55,7 +55,8 @@ def test_column_values_follow_what_an_index_computes():
     assert column_values(partner_even, c) == [v & ~1 for v in range(512)]
     assert column_values(partner_even + 1, c) == [v | 1 for v in range(512)]
     assert column_values(Ix.of(Atom("r", 4, False)) + Ix.of(c), c) is None  # another atom: unknown
-    assert column_values(Ix.of(c).minus_const(1), c) is None  # an opaque subtraction
+    assert column_values(Ix.of(c).minus_const(64), c) == [v - 64 for v in range(512)]  # a cat piece's column
+    assert column_values(Ix.of(Atom("(c * 3)", 1536, True)), c) is None  # an atom of unknown origin
 
 
 # --- op rules against CPU eager (pointwise regions are checked by the gate on the CPU) ---------
@@ -74,9 +75,9 @@ def _rewritten_run(build, inputs, sources: list | None = None):
     return report
 
 
-def _assert_pairs_move_within_threads(sources):
-    """The rotary partner comes from the lane next door: no gather, no second load of the row."""
-    assert any("rows_k.pair_" in s for s in sources), sources
+def _assert_partners_move_between_lanes(sources, move="rows_k.pair_"):
+    """The rotary partner is moved between lanes of the tile: no gather, no second load of the row."""
+    assert any(move in s for s in sources), sources
     assert not any("tl.gather" in s for s in sources), sources
 
 
@@ -180,7 +181,54 @@ def test_fused_rms_norm_cat_and_rope(head_dim):
     sources = []
     report = _rewritten_run(build, [txt, img, w1, w2, table], sources)
     assert "fused_rms_norm" in next(iter(report.regions.values()))[0]
-    _assert_pairs_move_within_threads(sources)
+    _assert_partners_move_between_lanes(sources)
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_rotate_half_rope_after_a_per_head_rms_norm(head_dim):
+    """ERNIE-Image's RoPE, ``cat([-x2, x1]) * sin + x * cos`` (bf16), after diffusers' RMSNorm:
+    each half's partner is the other half's lane, one exchange serves both cat pieces."""
+    g = torch.Generator().manual_seed(head_dim)
+    x, w = rand((2, 7, 3, head_dim), torch.bfloat16, "cpu", g), rand((head_dim,), torch.bfloat16, "cpu", g)
+    cos, sin = (rand((1, 7, 1, head_dim), torch.bfloat16, "cpu", g) for _ in range(2))
+    half = head_dim // 2
+
+    def build(b, x, w, cos, sin):
+        x32 = b.op(aten._to_copy.default, x, dtype=torch.float32)
+        var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
+        h = b.op(aten.mul.Tensor, x32, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-6)))
+        n = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)
+        x1, x2 = (b.op(aten.slice.Tensor, n, -1, k * half, (k + 1) * half) for k in (0, 1))
+        rotated = b.op(aten.cat.default, [b.op(aten.neg.default, x2), x1], -1)
+        return [b.op(aten.add.Tensor, b.op(aten.mul.Tensor, n, cos), b.op(aten.mul.Tensor, rotated, sin))]
+
+    sources = []
+    _rewritten_run(build, [x, w, cos, sin], sources)
+    _assert_partners_move_between_lanes(sources, "rows_k.lanes_exchanged(")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lane_moves_move_exact_bits(dtype):
+    from exactdit.engine.kernel_source import load
+
+    kernel = load(
+        "@triton.jit\n"
+        "def region_kernel(x_ptr, out_ptr, C: tl.constexpr, MOVE: tl.constexpr, D: tl.constexpr):\n"
+        "    offs = tl.arange(0, 4)[:, None] * C + tl.arange(0, C)[None, :]\n"
+        "    x = tl.load(x_ptr + offs)\n"
+        "    if MOVE == 0:\n"
+        "        y = rows_k.lanes_exchanged(x, D)\n"
+        "    else:\n"
+        "        y = rows_k.pair_lane(x, MOVE - 1)\n"
+        "    tl.store(out_ptr + offs, y)\n")
+    x = torch.arange(4 * 32, dtype=torch.int32).to(dtype).view(4, 32)
+    x[0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), 2.0**-130])  # any bits, moved as they are
+    c = torch.arange(32)
+    for move, d, columns in [(0, 1, c ^ 1), (0, 4, c ^ 4), (0, 16, c ^ 16), (1, 1, c & ~1), (2, 1, c | 1)]:
+        out = torch.full_like(x, 7.0)
+        kernel[(1,)](x, out, 32, move, d)
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           x[:, columns].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (move, d)
 
 
 @pytest.mark.parametrize("width", [64, 100, 4096])
@@ -407,7 +455,7 @@ def test_rope_written_through_strided_slices_of_an_empty_tensor():
     sources = []
     report = _rewritten_run(build, [x, torch.randn(5, 1, 8), torch.randn(5, 1, 8)], sources)
     assert not any("slice_scatter" in line and "left" in line for line in report.lines()), report.lines()
-    _assert_pairs_move_within_threads(sources)
+    _assert_partners_move_between_lanes(sources)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

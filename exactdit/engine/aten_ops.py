@@ -619,7 +619,8 @@ def _cat_emit(em: Emitter, node: fx.Node, index: Index) -> Val:
             cond_parts.append(f"({i.code()} < {hi})")
         cond = em.code.let(" & ".join(cond_parts) or "True", "p") if cond_parts else None
         piece = (
-            em.guarded(cond, kind, lambda t=t, start=start: em.value(t, _piece_index(node, index, d, start, t)))
+            em.guarded(cond, kind, lambda t=t, start=start: em.value(t, _piece_index(node, index, d, start, t)),
+                       (i, lo, hi, 1))
             if cond else em.value(t, _piece_index(node, index, d, start, t))
         )
         if result is None:
@@ -661,7 +662,7 @@ def _slice_scatter_emit(em, node, index):
     # form of i itself (a rotary pair's lanes are then recognised as columns of the same tile)
     local = i.floordiv(step).minus_const(start // step) if step > 1 else i.minus_const(start)
     src_index = index[:d] + (local,) + index[d + 1:]
-    inner = em.guarded(cond, kind, lambda: em.value(src, src_index))
+    inner = em.guarded(cond, kind, lambda: em.value(src, src_index), (i, start, end, step))
     outer = em.value(base, index)
     k = max(inner.kind, outer.kind, kind)
     return em.let(f"tl.where({cond}, {inner.name}, {outer.name})", outer.dtype, k)

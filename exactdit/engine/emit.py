@@ -65,10 +65,11 @@ class Tile:
     #: the tile holds whole rows (columns 0 .. width-1 from tile column 0): a value wanted at
     #: other columns of the same row can be gathered from the tile instead of recomputed
     whole_rows: bool = False
-    #: the tile's last axis holds consecutive columns from an even column, so both columns of
-    #: every pair (2i, 2i + 1) are in the tile, in adjacent lanes: an interleaved rotary
-    #: partner is taken from the lane next door (``rows_k.pair_lane``) instead of recomputed
-    column_pairs: bool = False
+    #: the tile's last axis holds this many consecutive columns (a power of two) from a multiple
+    #: of it (0: not so): a value wanted at a column of the same aligned block -- a rotary
+    #: partner -- is moved between lanes (``rows_k.pair_lane`` / ``rows_k.lanes_exchanged``)
+    #: instead of recomputed
+    aligned_columns: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ _PAIR_MOVES = {
     "same": lambda c: c,
     "rows_k.pair_lane({}, 0)": lambda c: c & ~1,
     "rows_k.pair_lane({}, 1)": lambda c: c | 1,
-    "rows_k.pair_swapped({})": lambda c: c ^ 1,
+    "rows_k.lanes_exchanged({}, 1)": lambda c: c ^ 1,
 }
 
 
@@ -149,6 +150,10 @@ class Emitter:
         self._memo: dict[tuple, Val] = {}
         self._guard: str | None = None
         self._guard_kind = SCALAR
+        #: the guard's conditions as (index, lo, hi, step): lo <= index < hi, index - lo a
+        #: multiple of step (what a lane move may rely on)
+        self._lanes: tuple = ()
+        self._lane_values: dict = {}
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -237,15 +242,15 @@ class Emitter:
             return None
         if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
             return None
-        move = self._pair_move(index[-1]) if tile.column_pairs else None
+        move = self._lane_move(index[-1]) if tile.aligned_columns > 1 else None
         if move is None and not tile.whole_rows:
             return None
-        saved = self._guard, self._guard_kind
-        self._guard, self._guard_kind = None, SCALAR  # every lane of the tile, not one cat piece's
+        saved = self._guard, self._guard_kind, self._lanes
+        self._guard, self._guard_kind, self._lanes = None, SCALAR, ()  # every lane, not one cat piece's
         try:
             natural = self.value(node, index[:-1] + (column,))
         finally:
-            self._guard, self._guard_kind = saved
+            self._guard, self._guard_kind, self._lanes = saved
         if self.effective(natural.kind) != FULL:
             return None
         if move == "same":
@@ -258,19 +263,39 @@ class Emitter:
         return self.let(f"tl.gather({natural.name}, {lanes}, {len(tile.full_shape.split(',')) - 1})",
                         natural.dtype, FULL, "ga")
 
-    def _pair_move(self, ix: Ix) -> str | None:
+    def _lane_move(self, ix: Ix) -> str | None:
         """The lane move (code with ``{}`` for the tile's value) that reads column ``ix`` of each
-        tile column c, when ``ix`` is c, its pair's even or odd column, or its pair partner."""
+        tile column c, when on every lane this pass computes (the conditions of the cat pieces
+        it is inside, where they are forms of the column) ``ix`` is c itself, its pair's even or
+        odd column, or ``c ^ d`` for a power of two d within the tile's aligned block."""
         column = self.tile.domain[-1]
         if len(column.terms) != 1 or column.terms[0][1] != 1 or column.const:
             return None
-        values = column_values(ix, column.terms[0][0])
+        atom = column.terms[0][0]
+        values = column_values(ix, atom)
         if values is None:
             return None
-        for move, of in _PAIR_MOVES.items():
-            if all(v == of(c) for c, v in enumerate(values)):
+        lanes = [c for c in range(atom.bound) if self._lane_computed(c, atom)]
+        moves = dict(_PAIR_MOVES)
+        d = 2
+        while 2 * d <= self.tile.aligned_columns:
+            moves[f"rows_k.lanes_exchanged({{}}, {d})"] = lambda c, d=d: c ^ d
+            d *= 2
+        for move, of in moves.items():
+            if all(values[c] == of(c) for c in lanes):
                 return move
         return None
+
+    def _lane_computed(self, c: int, atom) -> bool:
+        """Whether column ``c`` is among the lanes the current cat pieces compute (conditions not
+        expressible in the column count as true: the check is then stricter, never looser)."""
+        for ix, lo, hi, step in self._lanes:
+            values = self._lane_values.get((ix, atom))
+            if values is None:
+                values = self._lane_values[(ix, atom)] = column_values(ix, atom) or []
+            if values and not (lo <= values[c] < hi and (values[c] - lo) % step == 0):
+                return False
+        return True
 
     def input_operand(self, node: fx.Node) -> Operand:
         op = self.loads.get(node)
@@ -322,17 +347,20 @@ class Emitter:
             return self.tile.row_mask
         return None
 
-    def guarded(self, condition: str, kind: int, fn: Callable[[], Val]) -> Val:
-        """Evaluate ``fn`` with loads masked by ``condition`` as well (one branch of a cat)."""
-        saved = self._guard, self._guard_kind
+    def guarded(self, condition: str, kind: int, fn: Callable[[], Val], lanes: tuple | None = None) -> Val:
+        """Evaluate ``fn`` with loads masked by ``condition`` as well (one branch of a cat).
+        ``lanes``: the condition as ``(index, lo, hi, step)``, when it is one."""
+        saved = self._guard, self._guard_kind, self._lanes
         if self._guard:
             condition = self.code.let(f"{self._guard} & {condition}", "g")
             kind = max(kind, self._guard_kind)
         self._guard, self._guard_kind = condition, kind
+        if lanes is not None:
+            self._lanes = self._lanes + (lanes,)
         try:
             return fn()
         finally:
-            self._guard, self._guard_kind = saved
+            self._guard, self._guard_kind, self._lanes = saved
 
     def store(self, operand: Operand, index: Index, v: Val) -> None:
         v = self.broadcast(v, FULL)

@@ -28,8 +28,8 @@ class Atom:
     bound: int
     #: depends on the column loop (per element) rather than only on the row (per row)
     per_element: bool
-    #: for ``base // k`` and ``base % k``: (base, "//" or "%", k), so that
-    #: ``(x // k) * k + x % k`` folds back to ``x``
+    #: for ``base // k``, ``base % k`` and ``base - k``: (base, "//", "%" or "-", k), so that
+    #: ``(x // k) * k + x % k`` folds back to ``x`` and a value can be computed from ``base``
     origin: tuple | None = dataclasses.field(default=None, compare=False)
 
 
@@ -101,8 +101,8 @@ class Ix:
         """``self - value`` where the result is known to be non-negative (cat pieces)."""
         if value <= self.const:
             return Ix(self.terms, self.const - value)
-        # the constant cannot absorb it: keep the subtraction as an opaque atom
-        atom = Atom(f"({self.code()} - {value})", max(1, self.bound - value), self.per_element)
+        # the constant cannot absorb it: keep the subtraction as an atom of its own
+        atom = Atom(f"({self.code()} - {value})", max(1, self.bound - value), self.per_element, (self, "-", value))
         return Ix.of(atom)
 
     def __mul__(self, k: int) -> "Ix":
@@ -159,8 +159,8 @@ def column_values(ix: Ix, column: Atom) -> list[int] | None:
             if base is None:
                 memo[a] = None
             else:
-                k = a.origin[2]
-                memo[a] = [v // k for v in base] if a.origin[1] == "//" else [v % k for v in base]
+                k, op = a.origin[2], a.origin[1]
+                memo[a] = [v // k if op == "//" else v % k if op == "%" else v - k for v in base]
         return memo[a]
 
     def form_values(form: Ix) -> list[int] | None:

@@ -224,7 +224,7 @@ def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
     body.line("mask = row_ok & col_ok")
     index = tuple(_row_atoms(body, "rows", shape)) + (Ix.of(Atom("cols", width, True)),)
     tile = Tile(index, "[BLOCK_R, BLOCK_C]", "[BLOCK_R, 1]", "mask", "row_ok", whole_rows=grid_c == 1,
-                column_pairs=block_c % 2 == 0)
+                aligned_columns=block_c)
     em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces=dict(launch.pieces), tables=slots)
     _store_outputs(em, region, launch, index, outs)
     code.extend(body)
@@ -444,7 +444,7 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line("cols1 = ln_k.vector_columns(j)")
     body.line(f"mask1 = cols1 < {width}")
     em = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), "[128, 4]", None, "mask1", None,
-                              column_pairs=True))
+                              aligned_columns=4))
     x = t.reduction_input(em, row + (Ix.of(Atom("cols1", width, True)),))
     body.line(f"mean, m2, cnt = ln_k.welford_update({x}, j, {n_vec}, mean, m2, cnt, {choices['rcp_approx']}, "
               f"{unroll and not choices['rcp_approx']}, {full})")
@@ -461,7 +461,7 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"cols2 = k2 * {block} + tl.arange(0, {block})[None, :]")
     body.line(f"mask2 = cols2 < {width}")
     index = row + (Ix.of(Atom("cols2", width, True)),)
-    t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None, column_pairs=True), stored=t.stored()),
+    t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None, aligned_columns=block), stored=t.stored()),
                index)
     code.extend(body)
     return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
@@ -499,7 +499,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         code.line(f"cols = tl.arange(0, {block_n})[None, :]")
         code.line(f"mask = row_ok & (cols < {width})")
         em = t.emitter(code, Tile(index, f"[{block_r}, {block_n}]", row_shape, "mask", "row_ok", whole_rows=True,
-                                  column_pairs=True))
+                                  aligned_columns=block_n))
         x = t.reduction_input(em, index)
         code.line(f"acc = rope_k.thread_sums_from_tile(tl.where(mask, {x}, 0.0), {block_r}, {lanes}, "
                   f"{rope_k.SQUARE_FMA})")
@@ -517,7 +517,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"cols1 = j * {chunk} + tl.arange(0, {chunk})[None, :]")
     body.line(f"mask1 = row_ok & (cols1 < {width})")
     index1 = row + (Ix.of(Atom("cols1", width, True)),)
-    tile1 = Tile(index1, f"[{block_r}, {chunk}]", row_shape, "mask1", "row_ok", column_pairs=True)
+    tile1 = Tile(index1, f"[{block_r}, {chunk}]", row_shape, "mask1", "row_ok", aligned_columns=chunk)
     x = t.reduction_input(t.emitter(body, tile1), index1)
     body.line(f"acc = rope_k.accumulate_vectors(acc, tl.where(mask1, {x}, 0.0), {block_r}, {threads}, "
               f"{rope_k.SQUARE_FMA})")
@@ -534,7 +534,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index2 = row + (Ix.of(Atom("cols2", width, True)),)
     t.epilogue(t.emitter(body, Tile(index2, f"[{block_r}, {tile}]", row_shape, "mask2", "row_ok",
-                                    whole_rows=tile >= width, column_pairs=True), stored=t.stored()),
+                                    whole_rows=tile >= width, aligned_columns=tile), stored=t.stored()),
                index2)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // block_r),), num_warps)
@@ -589,7 +589,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
         body.line(f"cols1 = {j} * {chunk} + tl.arange(0, {chunk})[None, :]")
         body.line(f"mask1 = row_ok & (cols1 < {width})")
         em1 = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), f"[{rows}, {chunk}]",
-                                   f"[{rows}, 1]", "mask1", "row_ok", column_pairs=chunk % 2 == 0))
+                                   f"[{rows}, 1]", "mask1", "row_ok", aligned_columns=chunk))
         x = t.reduction_input(em1, row + (Ix.of(Atom("cols1", width, True)),))
         body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
         code.extend(body)
@@ -606,7 +606,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"mask2 = row_ok & (cols2 < {width})")
     index = row + (Ix.of(Atom("cols2", width, True)),)
     t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok",
-                                    whole_rows=tail >= width, column_pairs=tail % 2 == 0), stored=t.stored()), index)
+                                    whole_rows=tail >= width, aligned_columns=tail), stored=t.stored()), index)
     code.extend(body)
     return t.kernel({}, (-(-t.n_rows // rows),), warps)
 

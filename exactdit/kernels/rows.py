@@ -74,8 +74,16 @@ def pair_lane(x, LANE: tl.constexpr):
 
 
 @triton.jit
-def pair_swapped(x):
-    """``x`` [R, C] (C even) with the two lanes of every column pair exchanged: the element at
-    column ``c ^ 1``."""
-    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-    return tl.reshape(tl.join(odd, even), [x.shape[0], x.shape[1]])
+def lanes_exchanged(x, D: tl.constexpr):
+    """``x`` [R, C] (C a multiple of 2 * D, D a power of two) with columns c and c ^ D exchanged:
+    in each group of 2 * D columns the halves swap (D = 1: an interleaved rotary pair; D = half
+    the row: rotate-half RoPE). ``a ^ (a ^ b)`` over the axis of the two halves, an exact bit
+    move: within a thread's registers or a warp shuffle, where ``tl.gather`` goes through
+    shared memory."""
+    if x.dtype.primitive_bitwidth == 32:
+        bits = x.to(tl.int32, bitcast=True)
+    else:
+        bits = x.to(tl.int16, bitcast=True)
+    halves = tl.reshape(bits, [x.shape[0], x.shape[1] // (2 * D), 2, D])
+    swapped = halves ^ tl.xor_sum(halves, 2, keep_dims=True)
+    return tl.reshape(swapped, [x.shape[0], x.shape[1]]).to(x.dtype, bitcast=True)

@@ -119,7 +119,7 @@ def shape_of(node: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in val.shape)
 
 
-#: lane moves within column pairs, by the column each lane reads
+#: lane moves within column pairs, by the column each lane reads (wider exchanges: _lane_move)
 _PAIR_MOVES = {
     "same": lambda c: c,
     "rows_k.pair_lane({}, 0)": lambda c: c & ~1,
@@ -234,8 +234,8 @@ class Emitter:
         """``node`` at other columns of the tile's own rows (a rotary partner, a permutation
         within the row), taken from ``node`` computed at the tile's columns: one set of loads and
         arithmetic serves both. Needs a node indexed like the domain (same rows, same width) and
-        either pairs of columns in the tile (columns ``c & ~1``, ``c | 1``, ``c ^ 1``: a lane
-        move within one thread) or whole rows (any column: ``tl.gather``)."""
+        either a column the tile's aligned block holds (``c & ~1``, ``c | 1``, ``c ^ d``: a lane
+        move, :meth:`_lane_move`) or whole rows (any column: ``tl.gather``)."""
         tile = self.tile
         column = tile.domain[-1]
         if index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:

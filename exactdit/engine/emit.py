@@ -119,12 +119,11 @@ def shape_of(node: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in val.shape)
 
 
-#: lane moves within column pairs, by the column each lane reads (wider exchanges: _lane_move)
+#: lane moves of any dtype, by the column each lane reads (exchanges ``c ^ d``: _lane_move)
 _PAIR_MOVES = {
     "same": lambda c: c,
     "rows_k.pair_lane({}, 0)": lambda c: c & ~1,
     "rows_k.pair_lane({}, 1)": lambda c: c | 1,
-    "rows_k.lanes_exchanged({}, 1)": lambda c: c ^ 1,
 }
 
 
@@ -242,7 +241,7 @@ class Emitter:
             return None
         if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
             return None
-        move = self._lane_move(index[-1]) if tile.aligned_columns > 1 else None
+        move = self._lane_move(index[-1], dtype_of(node)) if tile.aligned_columns > 1 else None
         if move is None and not tile.whole_rows:
             return None
         saved = self._guard, self._guard_kind, self._lanes
@@ -263,11 +262,12 @@ class Emitter:
         return self.let(f"tl.gather({natural.name}, {lanes}, {len(tile.full_shape.split(',')) - 1})",
                         natural.dtype, FULL, "ga")
 
-    def _lane_move(self, ix: Ix) -> str | None:
+    def _lane_move(self, ix: Ix, dtype: torch.dtype) -> str | None:
         """The lane move (code with ``{}`` for the tile's value) that reads column ``ix`` of each
         tile column c, when on every lane this pass computes (the conditions of the cat pieces
         it is inside, where they are forms of the column) ``ix`` is c itself, its pair's even or
-        odd column, or ``c ^ d`` for a power of two d within the tile's aligned block."""
+        odd column, or ``c ^ d`` for a power of two d within the tile's aligned block (exchanges
+        move 16- or 32-bit float bits: ``dtype`` a float dtype)."""
         column = self.tile.domain[-1]
         if len(column.terms) != 1 or column.terms[0][1] != 1 or column.const:
             return None
@@ -277,8 +277,8 @@ class Emitter:
             return None
         lanes = [c for c in range(atom.bound) if self._lane_computed(c, atom)]
         moves = dict(_PAIR_MOVES)
-        d = 2
-        while 2 * d <= self.tile.aligned_columns:
+        d = 1
+        while 2 * d <= self.tile.aligned_columns and dtype in FLOAT_DTYPES:
             moves[f"rows_k.lanes_exchanged({{}}, {d})"] = lambda c, d=d: c ^ d
             d *= 2
         for move, of in moves.items():

@@ -147,7 +147,7 @@ class Ix:
 
 def column_values(ix: Ix, column: Atom) -> list[int] | None:
     """The values of ``ix`` at every value of ``column`` (0 .. bound - 1), where ``ix`` is a form
-    of ``column`` alone (through floor divisions and remainders of it); None otherwise. Lets an
+    of ``column`` alone (through floor divisions, remainders and subtractions); None otherwise. Lets an
     index be recognised by what it computes rather than by how its form was written."""
     memo: dict[Atom, list[int] | None] = {}
 

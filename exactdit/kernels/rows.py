@@ -77,9 +77,9 @@ def pair_lane(x, LANE: tl.constexpr):
 def lanes_exchanged(x, D: tl.constexpr):
     """``x`` [R, C] (C a multiple of 2 * D, D a power of two) with columns c and c ^ D exchanged:
     in each group of 2 * D columns the halves swap (D = 1: an interleaved rotary pair; D = half
-    the row: rotate-half RoPE). ``a ^ (a ^ b)`` over the axis of the two halves, an exact bit
-    move: within a thread's registers or a warp shuffle, where ``tl.gather`` goes through
-    shared memory."""
+    the row: rotate-half RoPE). ``a ^ (a ^ b)`` over the axis of the two halves: an exact move of
+    16- or 32-bit float bits by a reduction over an axis of two (registers, or shuffles between
+    the threads holding the halves) instead of ``tl.gather``'s round trip through shared memory."""
     if x.dtype.primitive_bitwidth == 32:
         bits = x.to(tl.int32, bitcast=True)
     else:

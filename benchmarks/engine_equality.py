@@ -2,6 +2,7 @@
 
     python3 benchmarks/engine_equality.py --model flux --config full \\
         --forward 1024x1024x1 768x1360x2 --sample-steps 28 --test-configs
+    python3 benchmarks/engine_equality.py --model qwen --edit --forward 1024x1024x1   # Qwen-Image-Edit-2511
 
 For the registered model (``exactdit.harness.models``, seeded random weights, bf16):
 * ``--forward HxWxB``: one transformer forward at that size, eager vs patched (``torch.equal``;
@@ -26,6 +27,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.common import environment, write_json  # noqa: E402
 from exactdit.harness import models  # noqa: E402
+from exactdit.harness.models import qwen  # noqa: E402
 from exactdit.harness.metrics import md5_tensor, outputs_equal  # noqa: E402
 
 
@@ -36,15 +38,18 @@ _forward = models.run_forward
 _equal = outputs_equal
 
 
-def forward_case(name, tr, height, width, batch, cuda_graphs=False) -> dict:
+def forward_case(name, tr, height, width, batch, cuda_graphs=False, edit=False) -> dict:
     kw = models.forward_inputs(name, tr, height=height, width=width, batch=batch)
+    if edit:
+        kw = qwen.with_condition_image(kw)
     ref = _forward(tr, kw)
     exactdit.patch(tr, cuda_graphs=cuda_graphs)
     try:  # with CUDA graphs: the first call records, the others replay
         outs = [_forward(tr, kw) for _ in range(3)]
     finally:
         exactdit.unpatch(tr)
-    return dict(case=f"forward {height}x{width} B={batch}" + (" (CUDA graphs)" if cuda_graphs else ""),
+    return dict(case=f"forward {height}x{width} B={batch}" + (" + condition image" if edit else "")
+                + (" (CUDA graphs)" if cuda_graphs else ""),
                 equal=all(_equal(out, ref) for out in outs))
 
 
@@ -80,14 +85,21 @@ def main() -> None:
     ap.add_argument("--sample-steps", type=int, default=0)
     ap.add_argument("--test-configs", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true", help="also every forward and sampling case in CUDA-graph mode")
+    ap.add_argument("--edit", action="store_true",
+                    help="qwen only: Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream) for --forward")
     args = ap.parse_args()
+    if args.edit and args.model != "qwen":
+        ap.error("--edit applies to --model qwen")
     rows = []
     if args.forward:
-        tr = models.build_transformer(args.model, args.config, dtype=torch.bfloat16, device=DEVICE)
+        config = models.get_spec(args.model).resolve_config(args.config)
+        if args.edit:
+            config.update(qwen.EDIT_CONFIG)
+        tr = models.build_transformer(args.model, config, dtype=torch.bfloat16, device=DEVICE)
         for spec in args.forward:
             h, w, b = (int(v) for v in spec.split("x"))
             for graphs in (False, True) if args.cuda_graphs else (False,):
-                rows.append(forward_case(args.model, tr, h, w, b, graphs))
+                rows.append(forward_case(args.model, tr, h, w, b, graphs, args.edit))
                 print(rows[-1], flush=True)
         del tr
         torch.cuda.empty_cache()

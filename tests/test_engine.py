@@ -19,6 +19,7 @@ from exactdit.engine import coverage, tables
 from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
+from exactdit.harness.models import qwen
 from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, trusted
 from tests.helpers import assert_bits_equal, rand
 
@@ -265,12 +266,9 @@ def test_captured_blocks_equal_cuda_order(name):
 def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
     # Qwen-Image-Edit-2511: a second (condition) image stream after the target's tokens, and
     # zero_cond_t's modulation picked per token through `where` (timestep 0 for the condition)
-    cfg = {**models.get_spec("qwen").config("tiny"), "zero_cond_t": True}
+    cfg = {**models.get_spec("qwen").config("tiny"), **qwen.EDIT_CONFIG}
     tr = models.build_transformer("qwen", cfg, dtype=torch.bfloat16, seed=4)
-    kw = models.forward_inputs("qwen", tr, batch=1, seed=5, height=32, width=32)
-    condition = torch.randn_like(kw["hidden_states"])
-    kw.update(hidden_states=torch.cat([kw["hidden_states"], condition], dim=1),
-              img_shapes=[kw["img_shapes"][0] * 2])
+    kw = qwen.with_condition_image(models.forward_inputs("qwen", tr, batch=1, seed=5, height=32, width=32), seed=6)
     for _, gm, inputs in capture_graphs(tr, kw):
         _rewrite_and_check(gm, inputs, "qwen-edit")
 

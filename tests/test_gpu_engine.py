@@ -11,6 +11,7 @@ import torch
 
 import exactdit
 from exactdit.harness import models
+from exactdit.harness.models import qwen
 from exactdit.harness.metrics import outputs_equal
 
 pytestmark = pytest.mark.gpu
@@ -36,4 +37,22 @@ def test_tiny_model_equal_to_eager(name, dtype):
     assert _equal(out, ref) and _equal(again, ref)
     report = exactdit.report(show=False)
     assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
+    assert sum(v["fused"] for v in report.values()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_qwen_image_edit_equal_to_eager(dtype):
+    # two image streams per row, the condition's tokens modulated per token (zero_cond_t)
+    cfg = {**models.get_spec("qwen").config("tiny"), **qwen.EDIT_CONFIG}
+    tr = models.build_transformer("qwen", cfg, dtype=dtype, device="cuda", seed=1)
+    kw = qwen.with_condition_image(models.forward_inputs("qwen", tr, batch=2, seed=2, height=128, width=128), seed=3)
+    ref = _forward(tr, kw)
+    try:
+        exactdit.patch(tr)
+        out = _forward(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
+    assert _equal(out, ref)
+    report = exactdit.report(show=False)
+    assert not any(v["disabled"] for v in report.values())
     assert sum(v["fused"] for v in report.values()) > 0

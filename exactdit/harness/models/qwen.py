@@ -114,6 +114,22 @@ def forward_inputs(req: ForwardRequest) -> dict:
     )
 
 
+#: Qwen-Image-Edit-2511's transformer config on top of Qwen-Image's (same class): the condition
+#: image's tokens are modulated with timestep 0's vectors, picked per token through ``where``
+EDIT_CONFIG = dict(zero_cond_t=True)
+
+
+def with_condition_image(kw: dict, *, seed: int = 0) -> dict:
+    """Qwen-Image-Edit's forward inputs from Qwen-Image's ``kw``: each row's packed target latents
+    followed by a condition image's (seeded random, the target's size), and both images' shapes in
+    ``img_shapes`` -- the second image stream of QwenImageEditPlusPipeline's transformer calls."""
+    latents = kw["hidden_states"]
+    gen = torch.Generator("cpu").manual_seed(int(seed))
+    condition = torch.randn(latents.shape, generator=gen, dtype=torch.float32).to(latents.device, latents.dtype)
+    return {**kw, "hidden_states": torch.cat([latents, condition], dim=1),
+            "img_shapes": [list(shapes) * 2 for shapes in kw["img_shapes"]]}
+
+
 QWEN = register(ModelSpec(
     name="qwen",
     description="Qwen-Image (20B MMDiT, Qwen2.5-VL-7B text features, Wan-style VAE)",

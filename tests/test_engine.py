@@ -310,6 +310,45 @@ def _complex_rope(b, x, freqs):
     return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
 
 
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_complex_rope_reads_each_frequency_pair_with_one_load(head_dim):
+    """Qwen-Image / Z-Image: per-head RMSNorm, then ``view_as_complex(x.float()) * freqs``. Lane c
+    loads part c % 2 of frequency c // 2 (one contiguous load per tile) and the parts move between
+    the pair's lanes; frequencies strided along their last dim run eager, with the reason."""
+    g = torch.Generator().manual_seed(head_dim)
+    x, w = rand((2, 5, 3 * head_dim), torch.bfloat16, "cpu", g), rand((head_dim,), torch.bfloat16, "cpu", g)
+    angles = torch.randn(5, 1, head_dim, generator=g)
+    freqs = torch.polar(torch.ones_like(angles[..., ::2]), angles[..., ::2].contiguous())
+
+    def build(b, x, w, freqs):
+        heads = b.op(aten.view.default, x, [2, 5, 3, head_dim])
+        x32 = b.op(aten._to_copy.default, heads, dtype=torch.float32)
+        var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
+        h = b.op(aten.mul.Tensor, x32, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-5)))
+        normed = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)
+        return [_complex_rope(b, normed, freqs)]
+
+    b = GraphBuilder()
+    gm = b.module(*build(b, *[b.input(t) for t in (x, w, freqs)]))
+    _rewrite_and_check(gm, [x, w, freqs], "crope")
+    kernels = [k for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
+               for _, k in n.target.exactdit_region.kernels()]
+    assert kernels
+    for k in kernels:
+        f = next(i for i, n in enumerate(k.inputs) if n.meta["val"].dtype == torch.complex64)
+        # one load per pass over the columns (the last pass reads the frequencies)
+        assert k.source.count(f"tl.load(in{f}_ptr") == 1, k.source
+        assert "rows_k.pair_lane(" in k.source and "tl.gather" not in k.source
+
+    strided = torch.polar(torch.ones_like(angles), angles)[..., ::2]
+    b2 = GraphBuilder()
+    unrewritten = b2.module(*build(b2, *[b2.input(t) for t in (x, w, freqs)]))
+    with torch.no_grad(), trusted():
+        assert_bits_equal(gm(x, w, strided)[0], unrewritten(x, w, strided)[0], "strided frequencies")
+    reasons = {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("crope")}
+    assert any("strided along its last dim" in str(r) for r in reasons.values()), reasons
+
+
 @pytest.fixture
 def both_launch_routes(monkeypatch, interpreted_launchers):
     """Every region call also runs through its generated launch plan and through Triton's JIT

@@ -209,9 +209,7 @@ class Emitter:
         elif node in self.stored:
             val = self.load(self.stored[node], index, dtype_of(node))
         elif node not in self.members and dtype_of(node) == COMPLEX:
-            op = self.input_operand(node)
-            re, im = (self.load(op, index + (Ix.constant(k),), torch.float32) for k in (0, 1))
-            val = Val(re.name, COMPLEX, max(re.kind, im.kind), im.name)
+            val = self._complex_input(node, index)
         elif node not in self.members:
             val = self.load(self.input_operand(node), index, dtype_of(node))
         else:
@@ -297,6 +295,46 @@ class Emitter:
                 return False
         return True
 
+    def _complex_input(self, node: fx.Node, index: Index) -> Val:
+        """A complex64 input at ``index``, read through its fp32 view (last strides 2 and 1: the
+        region runs eager for a complex input strided along its last dim). Where each tile column
+        c asks for element c // 2 -- the interleaved fp32 view of a complex product, the rotary
+        frequencies -- lane c loads part c % 2 of it, so one contiguous load reads both parts,
+        and each part is moved to both lanes of its pair; otherwise two loads."""
+        op = self.input_operand(node)
+        column = self.tile.domain[-1]
+        if self._pairs_hold(index):
+            parts = Operand(op.ptr, op.strides[:-2] + ("1",), op.wide)  # (c // 2) * 2 + c % 2 == c
+            f = self.load(parts, index[:-1] + (column,), torch.float32)
+            if self.effective(f.kind) == FULL:
+                re, im = (self.let(f"rows_k.pair_lane({f.name}, {k})", torch.float32, FULL, "pl") for k in (0, 1))
+                return Val(re.name, COMPLEX, FULL, im.name)
+        re, im = (self.load(op, index + (Ix.constant(k),), torch.float32) for k in (0, 1))
+        return Val(re.name, COMPLEX, max(re.kind, im.kind), im.name)
+
+    def _pairs_hold(self, index: Index) -> bool:
+        """Whether ``index`` asks, at each tile column c, for element c // 2 of a row the whole
+        pair (c & ~1, c | 1) shares: the tile holds aligned pairs of an even width, the other dims
+        do not depend on the column, and the cat pieces being computed keep pairs together."""
+        column = self.tile.domain[-1]
+        if self.tile.aligned_columns < 2 or len(column.terms) != 1 or column.terms[0][1] != 1 or column.const:
+            return False
+        atom = column.terms[0][0]
+        if atom.bound % 2 or any(ix.per_element for ix in index[:-1]):
+            return False
+        if column_values(index[-1], atom) != [c // 2 for c in range(atom.bound)]:
+            return False
+        for ix, lo, hi, step in self._lanes:
+            if not ix.per_element:
+                continue
+            values = column_values(ix, atom)
+            if values is None:
+                return False
+            inside = [lo <= v < hi and (v - lo) % step == 0 for v in values]
+            if any(inside[c] != inside[c ^ 1] for c in range(atom.bound)):
+                return False
+        return True
+
     def input_operand(self, node: fx.Node) -> Operand:
         op = self.loads.get(node)
         if op is None:
@@ -304,8 +342,10 @@ class Emitter:
             if not isinstance(val, torch.Tensor):
                 raise Unfusable(f"{node} is not a tensor")
             k = len(self.loads)
-            rank = val.dim() + (1 if val.dtype == COMPLEX else 0)
-            op = Operand(f"in{k}_ptr", tuple(f"in{k}_s{d}" for d in range(rank)), is_wide(val))
+            strides = tuple(f"in{k}_s{d}" for d in range(val.dim()))
+            if val.dtype == COMPLEX:  # the fp32 view's last two strides (see RegionOp._unsupported)
+                strides = strides[:-1] + ("2", "1") if strides else ("1",)
+            op = Operand(f"in{k}_ptr", strides, is_wide(val))
             self.loads[node] = op
         return op
 
@@ -347,16 +387,15 @@ class Emitter:
             return self.tile.row_mask
         return None
 
-    def guarded(self, condition: str, kind: int, fn: Callable[[], Val], lanes: tuple | None = None) -> Val:
+    def guarded(self, condition: str, kind: int, fn: Callable[[], Val], lanes: tuple) -> Val:
         """Evaluate ``fn`` with loads masked by ``condition`` as well (one branch of a cat).
-        ``lanes``: the condition as ``(index, lo, hi, step)``, when it is one."""
+        ``lanes``: the condition as data, ``(index, lo, hi, step)`` (what lane moves rely on)."""
         saved = self._guard, self._guard_kind, self._lanes
         if self._guard:
             condition = self.code.let(f"{self._guard} & {condition}", "g")
             kind = max(kind, self._guard_kind)
         self._guard, self._guard_kind = condition, kind
-        if lanes is not None:
-            self._lanes = self._lanes + (lanes,)
+        self._lanes = self._lanes + (lanes,)
         try:
             return fn()
         finally:

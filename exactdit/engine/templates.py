@@ -572,6 +572,8 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     chunk = 4 * threads if cfg.vectorize_input else threads
     n_chunks = -(-width // chunk)
     rows, warps, unroll, tail = mean_launch_shape(chunk, width)
+    # a row of one chunk is one tile for both passes: the epilogue reuses pass 1's loads
+    one_tile = n_chunks == 1 and tail == chunk
     factor = _mean_factor(t.n_rows, width)
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
@@ -579,27 +581,34 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     for a in ("acc", "a1", "a2", "a3"):
         code.line(f"{a} = tl.zeros([{rows}, {chunk}], tl.float32)")
     accumulators = ["acc", "a1", "a2", "a3"]
-    if cfg.vectorize_input:
+    if one_tile:
+        loops = [("0", "acc")]
+    elif cfg.vectorize_input:
         code.line(f"for j in tl.range(0, {n_chunks}, loop_unroll_factor={unroll}):")
         loops = [("j", "acc")]
     else:
         loops = [(str(j), accumulators[j % 4]) for j in range(n_chunks)]
+    index1 = row + (Ix.of(Atom("cols1", width, True)),)
     for j, acc in loops:
-        body = code.scope("        " if cfg.vectorize_input else "    ")
+        body = code if one_tile else code.scope("        " if cfg.vectorize_input else "    ")
         body.line(f"cols1 = {j} * {chunk} + tl.arange(0, {chunk})[None, :]")
         body.line(f"mask1 = row_ok & (cols1 < {width})")
-        em1 = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), f"[{rows}, {chunk}]",
-                                   f"[{rows}, 1]", "mask1", "row_ok", aligned_columns=chunk))
-        x = t.reduction_input(em1, row + (Ix.of(Atom("cols1", width, True)),))
+        em1 = t.emitter(body, Tile(index1, f"[{rows}, {chunk}]", f"[{rows}, 1]", "mask1", "row_ok",
+                                   whole_rows=one_tile, aligned_columns=chunk))
+        x = t.reduction_input(em1, index1)
         body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
-        code.extend(body)
+        if body is not code:
+            code.extend(body)
     bw, wy = cfg.block_width, cfg.warps_per_row
     code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bw.bit_length() - 1}, "
               f"{wy.bit_length() - 1}, {bool(cfg.vectorize_input)})")
     code.line(f"mean_r = mul_rn(total, {f32_literal(factor)})[:, None]")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
+    if one_tile:
+        t.epilogue(em1, index1)
+        return t.kernel({}, (-(-t.n_rows // rows),), warps)
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
-    t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
     code.line(f"for k2 in tl.range(0, {-(-width // tail)}, loop_unroll_factor={unroll}):")
     body = code.scope("        ")
     body.line(f"cols2 = k2 * {tail} + tl.arange(0, {tail})[None, :]")

@@ -12,6 +12,7 @@
 #   engine-tests     pytest -m gpu for the engine and the kernels it shares
 #   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
 #   engine-chroma    diffusers' Chroma test configs
+#   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
 #   graphs-tests     pytest -m gpu tests/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
@@ -70,6 +71,9 @@ for stage in "$@"; do
     engine-chroma)
       timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
         tee "$OUT/chroma_equality.log" | tail -4 ;;
+    qwen-edit)
+      timeout 240 python3 benchmarks/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
+        2>&1 | grep -v Warn | tee "$OUT/qwen_edit_equality.log" | tail -4 ;;
     graphs-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;

@@ -35,10 +35,10 @@ from exactdit.kernels import rms_norm as rms_k  # noqa: E402
 
 def _mean_variants():
     default = templates.mean_launch_shape
-    for rows, warps, unroll in itertools.product([None, 4, 8, 16, 32], [4, 8], [2, 4]):
+    for rows, warps, unroll in itertools.product([None, 2, 4, 8, 16], [4, 8], [2, 4]):
         def shape(chunk, width, rows=rows, warps=warps, unroll=unroll):
-            r = default(chunk, width)[0] if rows is None else rows
-            return r, warps, unroll, rms_k.tail_block(chunk, width, r)
+            r = default(chunk, width).rows if rows is None else rows
+            return templates.MeanLaunch(r, warps, unroll, rms_k.tail_block(chunk, width, r))
 
         yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", templates, "mean_launch_shape", shape
 

@@ -251,6 +251,30 @@ def test_decomposed_rms_norm(width, rows):
     _rewritten_run(build, [x, w])
 
 
+@pytest.mark.parametrize("width", [100, 1000, 3840])
+def test_sandwich_rms_norm(width):
+    """Z-Image's sandwich: ``h = x + gate * RMSNorm(attn)`` (stored by pass 1 and read back by
+    pass 2), then ``RMSNorm(h) * scale``."""
+    g = torch.Generator().manual_seed(width)
+    x, attn = rand((2, 7, width), torch.bfloat16, "cpu", g), rand((2, 7, width), torch.bfloat16, "cpu", g)
+    gate, w = rand((2, 1, width), torch.bfloat16, "cpu", g), rand((width,), torch.bfloat16, "cpu", g)
+
+    def rms(b, x, w):
+        x32 = b.op(aten._to_copy.default, x, dtype=torch.float32)
+        var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
+        h = b.op(aten.mul.Tensor, x32, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-5)))
+        return b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)
+
+    def build(b, x, attn, gate, w):
+        h = b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, gate, rms(b, attn, w)))
+        return [h, rms(b, h, w)]
+
+    if width % 4 and width >= 128:
+        pytest.skip("misaligned rows stay with ATen")
+    report = _rewritten_run(build, [x, attn, gate, w])
+    assert sum("mean" in d for d, _ in report.regions.values()) >= 1
+
+
 # --- captured blocks of every registered model -------------------------------------------------
 
 

@@ -540,19 +540,32 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     return t.kernel({}, (-(-t.n_rows // block_r),), num_warps)
 
 
-def mean_launch_shape(chunk: int, width: int) -> tuple[int, int, int, int]:
-    """(rows per program, warps, loop unroll, pass-2 tile width) of the "mean" template. None of
-    them changes a row's order of additions. Chosen with ``benchmarks/tune_region_templates.py`` on
-    Z-Image-Turbo's regions at 1024^2 (H200): rows of one chunk (q/k norms of 128 + RoPE) take 16
-    rows per program (28.8 us against 36.0 with 4); wider rows 8 warps and 4x unrolling (20.0-30.4
-    us against 23.3-34.7 with the hand kernel's 4 warps and 2x)."""
+@dataclasses.dataclass(frozen=True)
+class MeanLaunch:
+    """How the "mean" template runs a region; none of it changes a row's order of additions."""
+
+    rows: int  # rows per program
+    warps: int
+    unroll: int  # unroll factor of the loops over a row's chunks
+    tail: int  # width of pass 2's tiles
+
+
+def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
+    """The "mean" template's launch, chosen with ``benchmarks/tune_region_templates.py`` on
+    Z-Image-Turbo's and ERNIE-Image's regions at 1024^2 (H200):
+    * rows of one chunk (q/k norms of 128 + complex RoPE): 8 rows per program, 4 warps (18.6 us,
+      1.22x the memory floor; 16 rows 20.1, 2 rows 51.8);
+    * wider rows: 2 rows, 4 warps, 4x unrolled loops: no slower than the previous 4 rows and 8
+      warps on any of the six regions measured (3840 and 4096 wide), faster on four (Z-Image's
+      sandwich norm with its gated residual 26.7 against 30.6 us, ERNIE's 39.8 against 42.3 and
+      79.8 against 86.4); the best setting differed per region.
+    Holding a wide row's chunks in registers for pass 2 instead of loading them again measured
+    1.4-2.2x slower (register pressure); for one-chunk rows the compiler already reuses pass 1's
+    load."""
     from exactdit.kernels import rms_norm as rms_k
 
-    if width <= chunk:
-        rows = 16
-        return rows, 4, 2, rms_k.tail_block(chunk, width, rows)
-    rows = rms_k.launch_shape(chunk, width)[0]
-    return rows, 8, 4, rms_k.tail_block(chunk, width, rows)
+    rows, warps, unroll = (8, 4, 2) if width <= chunk else (2, 4, 4)
+    return MeanLaunch(rows, warps, unroll, rms_k.tail_block(chunk, width, rows))
 
 
 def _mean(region: Region, launch: Launch) -> GeneratedKernel:
@@ -571,9 +584,8 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     threads = cfg.block_width * cfg.warps_per_row
     chunk = 4 * threads if cfg.vectorize_input else threads
     n_chunks = -(-width // chunk)
-    rows, warps, unroll, tail = mean_launch_shape(chunk, width)
-    # a row of one chunk is one tile for both passes: the epilogue reuses pass 1's loads
-    one_tile = n_chunks == 1 and tail == chunk
+    shape = mean_launch_shape(chunk, width)
+    rows = shape.rows
     factor = _mean_factor(t.n_rows, width)
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
@@ -581,35 +593,29 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     for a in ("acc", "a1", "a2", "a3"):
         code.line(f"{a} = tl.zeros([{rows}, {chunk}], tl.float32)")
     accumulators = ["acc", "a1", "a2", "a3"]
-    if one_tile:
-        loops = [("0", "acc")]
-    elif cfg.vectorize_input:
-        code.line(f"for j in tl.range(0, {n_chunks}, loop_unroll_factor={unroll}):")
+    if cfg.vectorize_input:
+        code.line(f"for j in tl.range(0, {n_chunks}, loop_unroll_factor={shape.unroll}):")
         loops = [("j", "acc")]
     else:
         loops = [(str(j), accumulators[j % 4]) for j in range(n_chunks)]
-    index1 = row + (Ix.of(Atom("cols1", width, True)),)
     for j, acc in loops:
-        body = code if one_tile else code.scope("        " if cfg.vectorize_input else "    ")
+        body = code.scope("        " if cfg.vectorize_input else "    ")
         body.line(f"cols1 = {j} * {chunk} + tl.arange(0, {chunk})[None, :]")
         body.line(f"mask1 = row_ok & (cols1 < {width})")
-        em1 = t.emitter(body, Tile(index1, f"[{rows}, {chunk}]", f"[{rows}, 1]", "mask1", "row_ok",
-                                   whole_rows=one_tile, aligned_columns=chunk))
-        x = t.reduction_input(em1, index1)
+        em1 = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), f"[{rows}, {chunk}]",
+                                   f"[{rows}, 1]", "mask1", "row_ok", aligned_columns=chunk))
+        x = t.reduction_input(em1, row + (Ix.of(Atom("cols1", width, True)),))
         body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
-        if body is not code:
-            code.extend(body)
+        code.extend(body)
     bw, wy = cfg.block_width, cfg.warps_per_row
     code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bw.bit_length() - 1}, "
               f"{wy.bit_length() - 1}, {bool(cfg.vectorize_input)})")
     code.line(f"mean_r = mul_rn(total, {f32_literal(factor)})[:, None]")
-    t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
-    if one_tile:
-        t.epilogue(em1, index1)
-        return t.kernel({}, (-(-t.n_rows // rows),), warps)
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
-    code.line(f"for k2 in tl.range(0, {-(-width // tail)}, loop_unroll_factor={unroll}):")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1))
+    tail = shape.tail
+    code.line(f"for k2 in tl.range(0, {-(-width // tail)}, loop_unroll_factor={shape.unroll}):")
     body = code.scope("        ")
     body.line(f"cols2 = k2 * {tail} + tl.arange(0, {tail})[None, :]")
     body.line(f"mask2 = row_ok & (cols2 < {width})")
@@ -617,7 +623,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {tail}]", f"[{rows}, 1]", "mask2", "row_ok",
                                     whole_rows=tail >= width, aligned_columns=tail), stored=t.stored()), index)
     code.extend(body)
-    return t.kernel({}, (-(-t.n_rows // rows),), warps)
+    return t.kernel({}, (-(-t.n_rows // rows),), shape.warps)
 
 
 TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm": _fused_rms_norm, "mean": _mean}

@@ -3,6 +3,7 @@
     python3 benchmarks/engine_equality.py --model flux --config full \\
         --forward 1024x1024x1 768x1360x2 --sample-steps 28 --test-configs
     python3 benchmarks/engine_equality.py --model qwen --edit --forward 1024x1024x1   # Qwen-Image-Edit-2511
+    python3 benchmarks/engine_equality.py --model qwen --forward 1328x1328x2 --text-len 128 37  # padded text
 
 For the registered model (``exactdit.harness.models``, seeded random weights, bf16):
 * ``--forward HxWxB``: one transformer forward at that size, eager vs patched (``torch.equal``;
@@ -38,8 +39,8 @@ _forward = models.run_forward
 _equal = outputs_equal
 
 
-def forward_case(name, tr, height, width, batch, cuda_graphs=False, edit=False) -> dict:
-    kw = models.forward_inputs(name, tr, height=height, width=width, batch=batch)
+def forward_case(name, tr, height, width, batch, cuda_graphs=False, edit=False, text_len=None) -> dict:
+    kw = models.forward_inputs(name, tr, height=height, width=width, batch=batch, text_len=text_len)
     if edit:
         kw = qwen.with_condition_image(kw)
     ref = _forward(tr, kw)
@@ -49,6 +50,7 @@ def forward_case(name, tr, height, width, batch, cuda_graphs=False, edit=False) 
     finally:
         exactdit.unpatch(tr)
     return dict(case=f"forward {height}x{width} B={batch}" + (" + condition image" if edit else "")
+                + (f" prompts of {text_len} tokens" if text_len else "")
                 + (" (CUDA graphs)" if cuda_graphs else ""),
                 equal=all(_equal(out, ref) for out in outs))
 
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="also every forward and sampling case in CUDA-graph mode")
     ap.add_argument("--edit", action="store_true",
                     help="qwen only: Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream) for --forward")
+    ap.add_argument("--text-len", type=int, nargs="*", default=None,
+                    help="prompt tokens per row of the --forward cases (rows of different lengths: padded text)")
     args = ap.parse_args()
     if args.edit and args.model != "qwen":
         ap.error("--edit applies to --model qwen")
@@ -99,7 +103,8 @@ def main() -> None:
         for spec in args.forward:
             h, w, b = (int(v) for v in spec.split("x"))
             for graphs in (False, True) if args.cuda_graphs else (False,):
-                rows.append(forward_case(args.model, tr, h, w, b, graphs, args.edit))
+                lens = None if not args.text_len else args.text_len[0] if len(args.text_len) == 1 else args.text_len[:b]
+                rows.append(forward_case(args.model, tr, h, w, b, graphs, args.edit, lens))
                 print(rows[-1], flush=True)
         del tr
         torch.cuda.empty_cache()

@@ -13,6 +13,7 @@
 #   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
 #   engine-chroma    diffusers' Chroma test configs
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
+#   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
 #   graphs-tests     pytest -m gpu tests/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
@@ -74,6 +75,11 @@ for stage in "$@"; do
     qwen-edit)
       timeout 240 python3 benchmarks/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
         2>&1 | grep -v Warn | tee "$OUT/qwen_edit_equality.log" | tail -4 ;;
+    padded-text)
+      timeout 150 python3 benchmarks/engine_equality.py --model qwen --config full --forward 1328x1328x2 --text-len 128 37 \
+        2>&1 | grep -v Warn | tee "$OUT/qwen_padded_equality.log" | tail -3
+      timeout 150 python3 benchmarks/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
+        2>&1 | grep -v Warn | tee "$OUT/zimage_padded_equality.log" | tail -3 ;;
     graphs-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;

@@ -287,6 +287,16 @@ def test_captured_blocks_equal_cuda_order(name):
         _rewrite_and_check(gm, inputs, name)
 
 
+@pytest.mark.parametrize("name", ["qwen", "zimage"])
+def test_captured_blocks_with_prompts_of_different_lengths(name):
+    # a batch of two prompts, 9 and 4 tokens: Qwen-Image pads the text with a mask, Z-Image pads
+    # each caption itself; the rewritten blocks hold to CUDA's orders with the padding in place
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=4)
+    kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, text_len=[9, 4])
+    for _, gm, inputs in capture_graphs(tr, kw):
+        _rewrite_and_check(gm, inputs, name)
+
+
 def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
     # Qwen-Image-Edit-2511: a second (condition) image stream after the target's tokens, and
     # zero_cond_t's modulation picked per token through `where` (timestep 0 for the condition)

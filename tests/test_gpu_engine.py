@@ -56,3 +56,18 @@ def test_qwen_image_edit_equal_to_eager(dtype):
     report = exactdit.report(show=False)
     assert not any(v["disabled"] for v in report.values())
     assert sum(v["fused"] for v in report.values()) > 0
+
+
+@pytest.mark.parametrize("name", ["qwen", "zimage"])
+def test_prompts_of_different_lengths_equal_to_eager(name):
+    # B = 2 with prompts of 77 and 5 tokens: padded text (Qwen: a mask; Z-Image: padded captions)
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
+    kw = models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128, text_len=[77, 5])
+    ref = _forward(tr, kw)
+    try:
+        exactdit.patch(tr)
+        out = _forward(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
+    assert _equal(out, ref)
+    assert not any(v["disabled"] for v in exactdit.report(show=False).values())

@@ -102,8 +102,8 @@ def main() -> None:
         tr = models.build_transformer(args.model, config, dtype=torch.bfloat16, device=DEVICE)
         for spec in args.forward:
             h, w, b = (int(v) for v in spec.split("x"))
+            lens = None if not args.text_len else args.text_len[0] if len(args.text_len) == 1 else args.text_len[:b]
             for graphs in (False, True) if args.cuda_graphs else (False,):
-                lens = None if not args.text_len else args.text_len[0] if len(args.text_len) == 1 else args.text_len[:b]
                 rows.append(forward_case(args.model, tr, h, w, b, graphs, args.edit, lens))
                 print(rows[-1], flush=True)
         del tr

@@ -21,12 +21,9 @@ _forward = models.run_forward
 _equal = outputs_equal
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name", models.model_names())
-def test_tiny_model_equal_to_eager(name, dtype):
-    tr = models.build_transformer(name, "tiny", dtype=dtype, device="cuda", seed=1)
-    video = dict(num_frames=5) if models.get_spec(name).video else {}
-    kw = models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128, **video)
+def _assert_patched_equals_eager(tr, kw):
+    """Two patched forwards (verifying, then verified kernels) equal the unpatched one, no region
+    disabled, some fused."""
     ref = _forward(tr, kw)
     try:
         exactdit.patch(tr)
@@ -41,33 +38,25 @@ def test_tiny_model_equal_to_eager(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", models.model_names())
+def test_tiny_model_equal_to_eager(name, dtype):
+    tr = models.build_transformer(name, "tiny", dtype=dtype, device="cuda", seed=1)
+    video = dict(num_frames=5) if models.get_spec(name).video else {}
+    _assert_patched_equals_eager(tr, models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128, **video))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_qwen_image_edit_equal_to_eager(dtype):
     # two image streams per row, the condition's tokens modulated per token (zero_cond_t)
     cfg = {**models.get_spec("qwen").config("tiny"), **qwen.EDIT_CONFIG}
     tr = models.build_transformer("qwen", cfg, dtype=dtype, device="cuda", seed=1)
-    kw = qwen.with_condition_image(models.forward_inputs("qwen", tr, batch=2, seed=2, height=128, width=128), seed=3)
-    ref = _forward(tr, kw)
-    try:
-        exactdit.patch(tr)
-        out = _forward(tr, kw)
-    finally:
-        exactdit.unpatch(tr)
-    assert _equal(out, ref)
-    report = exactdit.report(show=False)
-    assert not any(v["disabled"] for v in report.values())
-    assert sum(v["fused"] for v in report.values()) > 0
+    kw = models.forward_inputs("qwen", tr, batch=2, seed=2, height=128, width=128)
+    _assert_patched_equals_eager(tr, qwen.with_condition_image(kw, seed=3))
 
 
 @pytest.mark.parametrize("name", ["qwen", "zimage"])
 def test_prompts_of_different_lengths_equal_to_eager(name):
     # B = 2 with prompts of 77 and 5 tokens: padded text (Qwen: a mask; Z-Image: padded captions)
     tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
-    kw = models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128, text_len=[77, 5])
-    ref = _forward(tr, kw)
-    try:
-        exactdit.patch(tr)
-        out = _forward(tr, kw)
-    finally:
-        exactdit.unpatch(tr)
-    assert _equal(out, ref)
-    assert not any(v["disabled"] for v in exactdit.report(show=False).values())
+    _assert_patched_equals_eager(tr, models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128,
+                                                           text_len=[77, 5]))

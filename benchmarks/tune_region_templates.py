@@ -31,6 +31,7 @@ from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import coverage, templates  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 from exactdit.kernels import rms_norm as rms_k  # noqa: E402
+from exactdit.kernels import rows as rows_k  # noqa: E402
 
 
 def _mean_variants():
@@ -40,17 +41,21 @@ def _mean_variants():
             r = default(chunk, width).rows if rows is None else rows
             return templates.MeanLaunch(r, warps, unroll, rms_k.tail_block(chunk, width, r))
 
-        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", templates, "mean_launch_shape", shape
+        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", [(templates, "mean_launch_shape", shape)]
 
 
 def _fused_rms_variants():
-    for rows, warps in itertools.product([1, 2, 4], [4, 8]):
-        yield f"rows={rows} warps={warps}", templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w)
+    for rows, warps in itertools.product([1, 2, 4, 8, 16, 32], [2, 4, 8]):
+        yield f"rows={rows} warps={warps}", [(templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w))]
 
 
 def _table_variants():
-    for tiles in [4, 8, 16, 32]:
-        yield f"tiles={tiles}", templates, "TABLE_TILES", tiles
+    """Tiles per program (how often a program loads its tables) and the tile itself (elements,
+    warps): a tile's lookups are one ``tl.gather`` from the on-chip window."""
+    for tiles, elements, warps in itertools.product([1, 2, 4, 8], [2048, 4096, 8192], [4, 8]):
+        tile = dict(rows_k.ELEMENTWISE_TILE, elements=elements, num_warps=warps)
+        yield (f"tiles={tiles} elements={elements} warps={warps}",
+               [(templates, "TABLE_TILES", tiles), (templates, "ELEMENTWISE_TILE", tile), (rows_k, "ELEMENTWISE_TILE", tile)])
 
 
 SWEEPS = {
@@ -76,13 +81,15 @@ def main() -> None:
         inputs = [values[n.name] for n in region.inputs]
         floor = (nbytes(inputs) + sum(nbytes(values[n.name]) for n in region.outputs)) / bandwidth / 1e6
         expected = RegionOp(region).reference(*inputs)
-        for label, module, knob, value in variants():
-            default = getattr(module, knob)
-            setattr(module, knob, value)
+        for label, settings in variants():
+            defaults = [(module, knob, getattr(module, knob)) for module, knob, _ in settings]
+            for module, knob, value in settings:
+                setattr(module, knob, value)
             try:
                 region.kernels = [templates.generate(region, launch) for launch in region.launches]
             finally:
-                setattr(module, knob, default)
+                for module, knob, value in defaults:
+                    setattr(module, knob, value)
             op = RegionOp(region)
             out = op(*inputs)
             equal = all(torch.equal(a, b) for a, b in zip(out, expected))

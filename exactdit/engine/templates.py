@@ -30,8 +30,9 @@ from exactdit.engine.tables import CONSTEXPR_FIELDS
 from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, next_power_of_2
 
 #: row tiles per program when a region reads tables (each program loads its tables once). 8 to 32
-#: (as a dynamic loop) measured no faster on Wan's GELU and Z-Image's SwiGLU: the lookups, not
-#: the table loads, set their time (tune_region_templates.py)
+#: (as a dynamic loop) measured no faster on Wan's GELU and Z-Image's SwiGLU, nor did 1-8 tiles of
+#: 2048-8192 elements on 4 or 8 warps on Flux's and Wan-1.3B's GELU (within 1-5%, 1.28-1.42x the
+#: memory floor): the lookups, not the table loads, set their time (tune_region_templates.py)
 TABLE_TILES = 4
 
 

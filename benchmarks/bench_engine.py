@@ -69,6 +69,8 @@ def breakdown(forward) -> dict:
            "kernel_ms_by_kind": by_kind, "sm_mhz": clocks["sm_mhz"], "power_w": clocks["power_w"]}
     print("breakdown", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()
                         if k != "kernel_ms_by_kind"}, {k: round(v, 2) for k, v in by_kind.items()}, flush=True)
+    print("idle before (ms, next kernel)", [(round(v, 3), k) for v, k in prof["idle_before_kernel_ms"][:8]], flush=True)
+    print("largest gaps (us, after, before)", prof["largest_gaps_us"][:6], flush=True)
     return out
 
 
@@ -80,11 +82,20 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true", help="also exactdit.patch(cuda_graphs=True)")
     ap.add_argument("--breakdown", action="store_true", help="kernel time by kind, idle gaps, SM clock, power")
+    ap.add_argument("--group-offload", action="store_true",
+                    help="diffusers' block-level group offloading (weights on the CPU, one block at a time on "
+                         "the GPU, prefetched on a stream) for every path")
     args = ap.parse_args()
     env = environment()
     t = time.perf_counter()
     tr, kw = model_and_inputs(args)
     print(f"built {args.model}/{args.config} in {time.perf_counter() - t:.1f} s", flush=True)
+    if args.group_offload:
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(tr.to("cpu"), onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    offload = " (group offload)" if args.group_offload else ""
     shape = f"{args.model}:{args.config} {args.height}x{args.width} B={args.batch}"
     rows = []
     eager_ms, ref = forward_ms(tr, kw, args.repeat)
@@ -139,7 +150,7 @@ def main() -> None:
         rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
     for r in rows:
-        r.update(model=shape, ratio_to_eager=eager_ms / r["ms"], **env)
+        r.update(model=shape, ratio_to_eager=eager_ms / r["ms"], path=r["path"] + offload, **env)
     print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")

@@ -672,13 +672,25 @@ def _graph_runs(block: str) -> int:
     return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
 
 
-def test_first_block_cache_head_runs_eager_and_the_other_blocks_are_captured():
-    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+def _engine_eager_reasons() -> dict:
+    return {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
+
+
+def _hooks_hold_the_class_forward(blocks) -> bool:
+    """Each block's diffusers hook chain ends in the block class's own forward (as before a patch)."""
+    def innermost(ref):
+        return ref.original_forward if ref.original_forward is not None else ref.forward
+
+    return all(innermost(b._diffusers_hook._fn_refs[0]).__func__ is type(b).forward for b in blocks)
+
+
+def test_first_block_cache_hooks_run_around_the_captured_blocks():
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry
 
     cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 3, "num_single_layers": 2}
     tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
     calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in (7, 7, 8)]
-    apply_first_block_cache(tr, FirstBlockCacheConfig(threshold=0.3))
+    tr.enable_cache(FirstBlockCacheConfig(threshold=0.3))
 
     def denoise():  # the second call repeats the first input: the cache skips the other blocks
         HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
@@ -688,17 +700,61 @@ def test_first_block_cache_head_runs_eager_and_the_other_blocks_are_captured():
     ref = denoise()
     torch._dynamo.reset()
     exactdit.patch(tr)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the head block's torch.compiler.disable
-        out = denoise()
-    exactdit.unpatch(tr)
+    out = denoise()
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    head = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]
-    assert head["eager"] == len(calls) and all("not captured" in r for r in head["eager_reasons"])
-    # blocks 1 and 2 ran through the captured graph on the two uncached calls
-    assert _graph_runs("FluxTransformerBlock") == 4
-    assert _graph_runs("FluxSingleTransformerBlock") == 4  # the cache's tail block has a graph of its own
+    assert _engine_eager_reasons() == {}
+    # the cache's head block runs its graph on all three calls (inside the hook's compiler-disabled
+    # new_forward), blocks 1 and 2 on the two calls the cache does not skip
+    assert _graph_runs("FluxTransformerBlock") == 3 + 2 * 2
+    assert _graph_runs("FluxSingleTransformerBlock") == 2 * 2
+    exactdit.unpatch(tr)
+    assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
+    assert_bits_equal(denoise()[2], ref[2])  # unpatched, hooks as they were
+    # hooks removed while patched: the blocks run their graphs without them
+    exactdit.patch(tr)
+    denoise()
+    tr.disable_cache()
+    runs = _graph_runs("FluxTransformerBlock")
+    with torch.no_grad():
+        assert_bits_equal(tr(**calls[2], return_dict=False)[0], ref[2])  # a call the cache computed in full
+    exactdit.unpatch(tr)
+    assert _graph_runs("FluxTransformerBlock") == runs + 3 and _engine_eager_reasons() == {}
+    assert all(type(b.forward).__name__ == "method" for b in tr.transformer_blocks)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offloading_keeps_working(offload_type):
+    """Group offloading (its hooks move parameters in torch.compiler.disable'd functions): with
+    hooks on the blocks the blocks' forwards still run captured inside them; with hooks on the
+    layers inside a block (leaf level) the block cannot be captured and runs diffusers' code."""
+    from diffusers.hooks import apply_group_offloading
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
+    kw = models.forward_inputs("flux", models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6),
+                               batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)(**kw, return_dict=False)[0]
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    cpu = torch.device("cpu")
+    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type=offload_type,
+                           **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # leaf level: "runs diffusers' code"
+        outs = [tr(**kw, return_dict=False)[0] for _ in range(2)]
+        exactdit.unpatch(tr)
+        outs.append(tr(**kw, return_dict=False)[0])
+    for out in outs:
+        assert_bits_equal(out, ref)
+    reasons = _engine_eager_reasons()
+    if offload_type == "block_level":
+        assert reasons == {}
+        assert _graph_runs("FluxTransformerBlock") == 2 * 2 and _graph_runs("FluxSingleTransformerBlock") == 2 * 3
+        assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
+    else:
+        assert reasons and all("not captured" in r for v in reasons.values() for r in v)
 
 
 def test_tables_reproduce_eager_on_every_input():

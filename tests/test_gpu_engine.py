@@ -60,3 +60,20 @@ def test_prompts_of_different_lengths_equal_to_eager(name):
     tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
     _assert_patched_equals_eager(tr, models.forward_inputs(name, tr, batch=2, seed=2, height=128, width=128,
                                                            text_len=[77, 5]))
+
+
+@pytest.mark.parametrize("use_stream", [False, True], ids=["sync", "stream"])
+def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream):
+    # parameters on the CPU between calls, moved in by diffusers' hooks around each block
+    from diffusers.hooks import apply_group_offloading
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, device="cuda", seed=1)
+    kw = models.forward_inputs("flux", tr, batch=2, seed=2, height=128, width=128)
+    resident = _forward(tr, kw)
+    apply_group_offloading(tr.to("cpu"), onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
+    _assert_patched_equals_eager(tr, kw)
+    assert _equal(_forward(tr, kw), resident)
+    eager = {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
+    assert eager == {}

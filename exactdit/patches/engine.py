@@ -7,10 +7,15 @@ the block class once (all instances share the graph), the engine rewrites it, an
 runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
 ``module._compiled_call_impl`` is set (as ``nn.Module.compile`` does), and ``unpatch`` clears it.
 
+A block carrying diffusers hooks (group offloading, the first-block cache) keeps them as they
+are: its hooks run eagerly around it (their ``torch.compiler.disable``d parameter moves and cache
+decisions included) and the block's own forward, innermost in the hook chain, runs the captured
+graph (:class:`InnerCall`).
+
 A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs diffusers'
 code; the reason is warned once and counted in ``exactdit.report()``. When the class's own
-forward fails, all its blocks run diffusers' code; when a forward a hook set on one instance
-fails (the first-block cache's head block, group offloading), that block alone. With autograd
+forward fails, all its blocks run diffusers' code; when a forward set on one instance fails
+(a hook exactdit cannot see through), that block alone. With autograd
 recording the blocks run diffusers' code as well (the fused kernels have no backward). Each new
 input shape captures each block class once more (static shapes); ``patch`` lets Dynamo keep
 ``RECOMPILE_LIMIT`` graphs per block (raising ``torch._dynamo.config.recompile_limit``, a
@@ -77,18 +82,24 @@ class EngineCall:
         self.compiled = torch.compile(module._call_impl, backend=self.state.backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args, **kwargs):
+        if _capture_inside_hooks(self):
+            return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
+        return self._run(self.compiled, self.module._call_impl, *args, **kwargs)
+
+    def _run(self, compiled, eager, *args, **kwargs):
+        """``compiled(...)``, or ``eager(...)`` where the engine cannot run (counted, with the reason)."""
         module, state = self.module, self.state
         failed = self.failed or state.failed
         if failed is not None:
             gate.count_eager(f"engine.{state.label}", failed)
-            return module._call_impl(*args, **kwargs)
+            return eager(*args, **kwargs)
         if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
             gate.count_eager(f"engine.{state.label}", "autograd is recording (fused kernels have no backward)")
-            return module._call_impl(*args, **kwargs)
+            return eager(*args, **kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            return compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
-            out = module._call_impl(*args, **kwargs)  # eager's own error, if the call is wrong
+            out = eager(*args, **kwargs)  # eager's own error, if the call is wrong
             if type(e).__name__ == "FailOnRecompileLimitHit":
                 # one more shape than Dynamo keeps graphs for: the shapes already captured stay fused
                 self._warn_once(f"exactdit: {state.label}: {RECOMPILE_LIMIT_REASON}; raise "
@@ -96,8 +107,8 @@ class EngineCall:
                 gate.count_eager(f"engine.{state.label}", RECOMPILE_LIMIT_REASON)
                 return out
             failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
-            # a forward set on the instance (a diffusers hook: the first-block cache's head, group
-            # offload) fails for this block only; the class's own forward fails for all its blocks
+            # a forward set on the instance (a hook exactdit does not see through) fails for this
+            # block only; the class's own forward fails for all its blocks
             if "forward" in module.__dict__:
                 self.failed = failed
             else:
@@ -111,6 +122,58 @@ class EngineCall:
             self.state.warned.add(message)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class InnerCall:
+    """The innermost callable of a block's diffusers hook chain, the block class's own forward,
+    replaced by its captured graph: the hooks (``HookRegistry``: each one's pre_forward, its
+    ``new_forward`` if it has one, post_forward) run eagerly around it and call it as they would
+    call the forward. Outside an exactdit-patched module (unpatched, or a hook removed) it is the
+    forward again."""
+
+    def __init__(self, owner: EngineCall, forward):
+        self.owner, self.forward = owner, forward
+        self.compiled = torch.compile(forward, backend=owner.state.backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args, **kwargs):
+        if getattr(self.owner.module, "_compiled_call_impl", None) is not self.owner:
+            return self.forward(*args, **kwargs)
+        return self.owner._run(self.compiled, self.forward, *args, **kwargs)
+
+
+def _capture_inside_hooks(call: EngineCall) -> bool:
+    """Whether ``call.module`` has diffusers hooks whose chain ends in the block class's own
+    forward; if so, ``call``'s :class:`InnerCall` is installed there. False when the module has no
+    diffusers hooks or its forward was replaced by something else."""
+    module = call.module
+    if isinstance(module.__dict__.get("forward"), InnerCall):  # its hook was removed since
+        module.forward = module.__dict__["forward"].forward  # what diffusers puts back without exactdit
+    registry = module.__dict__.get("_diffusers_hook")
+    refs = getattr(registry, "_fn_refs", None)
+    if "forward" not in module.__dict__ or not refs:
+        return False
+    first = refs[0]
+    attr = "original_forward" if getattr(first, "original_forward", None) is not None else "forward"
+    inner = getattr(first, attr, None)
+    if isinstance(inner, InnerCall):
+        if inner.owner is call:
+            return True
+        inner = inner.forward  # installed by an earlier patch
+    if getattr(inner, "__func__", None) is not type(module).forward or getattr(inner, "__self__", None) is not module:
+        return False
+    setattr(first, attr, InnerCall(call, inner))
+    return True
+
+
+def _remove_inner_calls(module: torch.nn.Module) -> None:
+    """Put the class forward back where an :class:`InnerCall` holds it (the hook chain, or the
+    module itself after a hook was removed)."""
+    for ref in getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ():
+        for attr in ("forward", "original_forward"):
+            if isinstance(getattr(ref, attr, None), InnerCall):
+                setattr(ref, attr, getattr(ref, attr).forward)
+    if isinstance(module.__dict__.get("forward"), InnerCall):
+        module.forward = module.__dict__["forward"].forward
 
 
 def reset() -> None:
@@ -156,6 +219,7 @@ def unpatch_transformer(model: torch.nn.Module) -> dict:
     for cls, module in targets(model):
         if isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
             module._compiled_call_impl = None
+            _remove_inner_calls(module)
             counts[cls] = counts.get(cls, 0) + 1
     return {"restored": counts}
 

@@ -757,6 +757,50 @@ def test_group_offloading_keeps_working(offload_type):
         assert reasons and all("not captured" in r for v in reasons.values() for r in v)
 
 
+def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
+    """TaylorSeer hooks each block's attention layer (a compiler-disabled forward inside the
+    block): those blocks run diffusers' code with the reason, until the cache is disabled; another
+    model of the same classes is not affected."""
+    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 2}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in range(10, 14)]
+    tr.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
+
+    def denoise():
+        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
+        with torch.no_grad(), tr.cache_context("cond"):
+            return [tr(**kw, return_dict=False)[0] for kw in calls]
+
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "runs diffusers' code"
+        out = denoise()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    reasons = _engine_eager_reasons()
+    assert set(reasons) == {f"engine.FluxTransformer2DModel.{c}" for c in ("FluxTransformerBlock", "FluxSingleTransformerBlock")}
+    assert _graph_runs("FluxTransformerBlock") == 0
+
+    other = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=7)
+    exactdit.patch(other)
+    with torch.no_grad():
+        other(**calls[0], return_dict=False)
+    assert _graph_runs("FluxTransformerBlock") == 2  # the classes are not marked as failing
+
+    tr.disable_cache()
+    with torch.no_grad():
+        plain = tr(**calls[0], return_dict=False)[0]
+    exactdit.unpatch(tr)
+    exactdit.unpatch(other)
+    assert _graph_runs("FluxTransformerBlock") == 4  # hooks gone: tr's blocks captured again
+    with torch.no_grad():
+        assert_bits_equal(plain, tr(**calls[0], return_dict=False)[0])
+
+
 def test_tables_reproduce_eager_on_every_input():
     for fn in (torch.tanh, F.silu, lambda x: F.gelu(x, approximate="tanh")):
         for dtype in (torch.bfloat16, torch.float16):

@@ -14,9 +14,9 @@ graph (:class:`InnerCall`).
 
 A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs diffusers'
 code; the reason is warned once and counted in ``exactdit.report()``. When the class's own
-forward fails, all its blocks run diffusers' code; when a forward set on one instance fails
-(a hook exactdit cannot see through), that block alone. With autograd
-recording the blocks run diffusers' code as well (the fused kernels have no backward). Each new
+forward fails, all its blocks run diffusers' code; when hooks set on a block or its layers make
+it fail (leaf-level offloading, caches hooking the attention layers), that block alone, until its
+hooks change. With autograd recording the blocks run diffusers' code as well (the fused kernels have no backward). Each new
 input shape captures each block class once more (static shapes); ``patch`` lets Dynamo keep
 ``RECOMPILE_LIMIT`` graphs per block (raising ``torch._dynamo.config.recompile_limit``, a
 process-wide setting, when it is lower); shapes beyond that run diffusers' code, counted, while the
@@ -76,7 +76,8 @@ class EngineCall:
         from exactdit.engine import make_backend
 
         self.module = module
-        self.failed: str | None = None  # this block only (see __call__)
+        #: why this block alone cannot be captured, and the hooks it had then (see _run)
+        self.failed: tuple[str, tuple] | None = None
         with _lock:
             self.state = _states.setdefault(label, _ClassState(label, make_backend(label)))
         self.compiled = torch.compile(module._call_impl, backend=self.state.backend, fullgraph=True, dynamic=False)
@@ -89,7 +90,12 @@ class EngineCall:
     def _run(self, compiled, eager, *args, **kwargs):
         """``compiled(...)``, or ``eager(...)`` where the engine cannot run (counted, with the reason)."""
         module, state = self.module, self.state
-        failed = self.failed or state.failed
+        failed = state.failed
+        if failed is None and self.failed is not None:
+            if self.failed[1] == _instance_forwards(module):
+                failed = self.failed[0]
+            else:
+                self.failed = None  # its hooks changed since: capture again
         if failed is not None:
             gate.count_eager(f"engine.{state.label}", failed)
             return eager(*args, **kwargs)
@@ -107,10 +113,11 @@ class EngineCall:
                 gate.count_eager(f"engine.{state.label}", RECOMPILE_LIMIT_REASON)
                 return out
             failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
-            # a forward set on the instance (a hook exactdit does not see through) fails for this
-            # block only; the class's own forward fails for all its blocks
-            if "forward" in module.__dict__:
-                self.failed = failed
+            # with forwards set on the block or its layers (hooks: offloading, caches) it fails for
+            # this block and these hooks only; the class's own code fails for all its blocks
+            hooks = _instance_forwards(module)
+            if hooks:
+                self.failed = (failed, hooks)
             else:
                 state.failed = failed
             self._warn_once(f"exactdit: {state.label} runs diffusers' code: {failed}")
@@ -122,6 +129,11 @@ class EngineCall:
             self.state.warned.add(message)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _instance_forwards(module: torch.nn.Module) -> tuple:
+    """The forwards set on ``module`` or its submodules (hooks), by name and identity."""
+    return tuple((name, id(m.__dict__["forward"])) for name, m in module.named_modules() if "forward" in m.__dict__)
 
 
 class InnerCall:

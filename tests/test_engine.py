@@ -757,6 +757,39 @@ def test_group_offloading_keeps_working(offload_type):
         assert reasons and all("not captured" in r for v in reasons.values() for r in v)
 
 
+@pytest.mark.parametrize("cache", ["pyramid_attention_broadcast", "mag_cache", "sea_cache"])
+def test_caches_on_blocks_run_with_the_blocks_captured(cache):
+    from diffusers.hooks import HookRegistry, MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig
+
+    steps = 4
+    config = {
+        "pyramid_attention_broadcast": lambda: PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1000),
+            current_timestep_callback=lambda: 500),
+        "mag_cache": lambda: MagCacheConfig(num_inference_steps=steps, mag_ratios=[1.0] * steps, threshold=0.5),
+        "sea_cache": lambda: SeaCacheConfig(),
+    }[cache]
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 2}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in range(10, 10 + steps)]
+    tr.enable_cache(config())
+
+    def denoise():
+        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
+        with torch.no_grad(), tr.cache_context("cond"):
+            return [tr(**kw, return_dict=False)[0] for kw in calls]
+
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    out = denoise()
+    exactdit.unpatch(tr)
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    assert _engine_eager_reasons() == {}
+    assert _graph_runs("FluxTransformerBlock") > 0 and _graph_runs("FluxSingleTransformerBlock") > 0
+
+
 def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
     """TaylorSeer hooks each block's attention layer (a compiler-disabled forward inside the
     block): those blocks run diffusers' code with the reason, until the cache is disabled; another

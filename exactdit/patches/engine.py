@@ -7,8 +7,8 @@ the block class once (all instances share the graph), the engine rewrites it, an
 runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
 ``module._compiled_call_impl`` is set (as ``nn.Module.compile`` does), and ``unpatch`` clears it.
 
-A block carrying diffusers hooks (group offloading, the first-block cache) keeps them as they
-are: its hooks run eagerly around it (their ``torch.compiler.disable``d parameter moves and cache
+A block carrying diffusers hooks (block-level group offloading, the first-block cache, MagCache,
+SeaCache) keeps them as they are: its hooks run eagerly around it (their ``torch.compiler.disable``d parameter moves and cache
 decisions included) and the block's own forward, innermost in the hook chain, runs the captured
 graph (:class:`InnerCall`).
 

@@ -10,19 +10,13 @@ from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, froze
 # "full" is the released ERNIE-Image / ERNIE-Image-Turbo transformer (about 8B parameters: hidden 4096,
 # 32 heads of 128, 36 layers, 3072-d Mistral3 text features); "small" keeps the per-head shapes (head_dim
 # 128, RoPE axes 32/48/48, 128 latent channels, 3072-d text) with fewer, narrower layers.
+_COMMON = dict(in_channels=128, out_channels=128, patch_size=1, rope_theta=256)
+#: the released per-head shapes and text width: head_dim 128, RoPE axes 32/48/48, 3072-d text
+_PRODUCTION_WIDTHS = dict(text_in_dim=3072, rope_axes_dim=(32, 48, 48))
+
 CONFIGS = {
-    "tiny": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_layers=2,
-        ffn_hidden_size=176,
-        in_channels=128,
-        out_channels=128,
-        patch_size=1,
-        text_in_dim=96,
-        rope_theta=256,
-        rope_axes_dim=(4, 6, 6),
-    ),
+    "tiny": dict(_COMMON, hidden_size=64, num_attention_heads=4, num_layers=2, ffn_hidden_size=176, text_in_dim=96,
+                 rope_axes_dim=(4, 6, 6)),
     # diffusers' own model tests (tests/models/transformers/test_models_transformer_ernie_image.py):
     # one layer, one 16-wide head
     "diffusers_test": dict(
@@ -39,30 +33,10 @@ CONFIGS = {
         eps=1e-6,
         qk_layernorm=True,
     ),
-    "small": dict(
-        hidden_size=1024,
-        num_attention_heads=8,
-        num_layers=4,
-        ffn_hidden_size=3072,
-        in_channels=128,
-        out_channels=128,
-        patch_size=1,
-        text_in_dim=3072,
-        rope_theta=256,
-        rope_axes_dim=(32, 48, 48),
-    ),
-    "full": dict(
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_layers=36,
-        ffn_hidden_size=12288,
-        in_channels=128,
-        out_channels=128,
-        patch_size=1,
-        text_in_dim=3072,
-        rope_theta=256,
-        rope_axes_dim=(32, 48, 48),
-    ),
+    "small": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=1024, num_attention_heads=8, num_layers=4,
+                  ffn_hidden_size=3072),
+    "full": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=4096, num_attention_heads=32, num_layers=36,
+                 ffn_hidden_size=12288),
 }
 
 #: The production VAE (Flux2 layout) has 4 levels: the pipeline's scale factor 2**4 = 16 pixels per

@@ -13,19 +13,14 @@ import torch
 from . import components as C
 from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
 
+_COMMON = dict(patch_size=1, in_channels=64, guidance_embeds=True)  # 16 VAE channels x 2x2 packing
+#: FLUX.1's per-head shapes and text widths: head_dim 128, RoPE axes, T5-XXL 4096-d, CLIP-L pooled 768-d
+_PRODUCTION_WIDTHS = dict(attention_head_dim=128, joint_attention_dim=4096, pooled_projection_dim=768,
+                          axes_dims_rope=(16, 56, 56))
+
 FLUX_CONFIGS = {
-    "tiny": dict(
-        patch_size=1,
-        in_channels=64,  # 16 VAE latent channels x 2x2 packing, as in production
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    ),
+    "tiny": dict(_COMMON, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_flux.py)
     "diffusers_test": dict(
         patch_size=1,
@@ -38,32 +33,10 @@ FLUX_CONFIGS = {
         pooled_projection_dim=32,
         axes_dims_rope=(4, 4, 8),
     ),
-    # production head_dim / RoPE axes / text widths, 8 heads (hidden 1024), 2 double + 4 single blocks
-    "small": dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=2,
-        num_single_layers=4,
-        attention_head_dim=128,
-        num_attention_heads=8,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    ),
-    # FLUX.1-dev: 19 double + 38 single blocks, 24 heads of 128, T5-XXL 4096-d, CLIP-L pooled 768-d
-    "full": dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=19,
-        num_single_layers=38,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    ),
+    # 8 heads (hidden 1024), 2 double + 4 single blocks
+    "small": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=2, num_single_layers=4, num_attention_heads=8),
+    # FLUX.1-dev: 19 double + 38 single blocks, 24 heads
+    "full": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=19, num_single_layers=38, num_attention_heads=24),
 }
 
 # FLUX.1-schnell: the same transformer without the guidance embedder.

@@ -13,18 +13,13 @@ import torch
 from . import components as C
 from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
 
+_COMMON = dict(patch_size=2, in_channels=64, out_channels=16, guidance_embeds=False)  # 16 VAE channels x 2x2
+#: Qwen-Image's per-head shapes and text width: head_dim 128, RoPE axes, Qwen2.5-VL-7B features 3584-d
+_PRODUCTION_WIDTHS = dict(attention_head_dim=128, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+
 CONFIGS = {
-    "tiny": dict(
-        patch_size=2,
-        in_channels=64,  # 16 VAE latent channels x 2x2 packing
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        guidance_embeds=False,
-        axes_dims_rope=(4, 6, 6),
-    ),
+    "tiny": dict(_COMMON, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                 axes_dims_rope=(4, 6, 6)),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_qwenimage.py)
     "diffusers_test": dict(
         patch_size=2,
@@ -37,30 +32,10 @@ CONFIGS = {
         guidance_embeds=False,
         axes_dims_rope=(8, 4, 4),
     ),
-    # production head_dim / RoPE axes / 3584-d text, 8 heads (hidden 1024), 4 blocks
-    "small": dict(
-        patch_size=2,
-        in_channels=64,
-        out_channels=16,
-        num_layers=4,
-        attention_head_dim=128,
-        num_attention_heads=8,
-        joint_attention_dim=3584,
-        guidance_embeds=False,
-        axes_dims_rope=(16, 56, 56),
-    ),
-    # Qwen-Image (20B): 60 blocks, 24 heads of 128, Qwen2.5-VL-7B text features 3584-d
-    "full": dict(
-        patch_size=2,
-        in_channels=64,
-        out_channels=16,
-        num_layers=60,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=3584,
-        guidance_embeds=False,
-        axes_dims_rope=(16, 56, 56),
-    ),
+    # 8 heads (hidden 1024), 4 blocks
+    "small": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=4, num_attention_heads=8),
+    # Qwen-Image (20B): 60 blocks, 24 heads
+    "full": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=60, num_attention_heads=24),
 }
 
 

@@ -12,23 +12,14 @@ import torch
 from . import components as C
 from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
 
+_COMMON = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, qk_norm=True, rope_theta=256.0,
+               t_scale=1000.0, axes_lens=[1024, 512, 512])
+#: Z-Image's per-head shapes and text width: head_dim 128 (RoPE axes 32/48/48), Qwen3-4B features 2560-d
+_PRODUCTION_WIDTHS = dict(cap_feat_dim=2560, axes_dims=[32, 48, 48])
+
 CONFIGS = {
-    "tiny": dict(
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=16,
-        dim=32,
-        n_layers=2,
-        n_refiner_layers=1,
-        n_heads=2,
-        n_kv_heads=2,
-        qk_norm=True,
-        cap_feat_dim=32,
-        rope_theta=256.0,
-        t_scale=1000.0,
-        axes_dims=[4, 6, 6],
-        axes_lens=[1024, 512, 512],
-    ),
+    "tiny": dict(_COMMON, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+                 axes_dims=[4, 6, 6]),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_z_image.py)
     "diffusers_test": dict(
         all_patch_size=(2,),
@@ -46,41 +37,11 @@ CONFIGS = {
         axes_dims=[8, 4, 4],
         axes_lens=[256, 32, 32],
     ),
-    # production head_dim 128 / RoPE axes / 2560-d text, 8 heads (dim 1024), 4 + 1 refiner layers
-    "small": dict(
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=16,
-        dim=1024,
-        n_layers=4,
-        n_refiner_layers=1,
-        n_heads=8,
-        n_kv_heads=8,
-        qk_norm=True,
-        cap_feat_dim=2560,
-        rope_theta=256.0,
-        t_scale=1000.0,
-        axes_dims=[32, 48, 48],
-        axes_lens=[1024, 512, 512],
-    ),
-    # Z-Image-Turbo (6B): dim 3840, 30 heads of 128, 30 layers + 2 refiner layers, Qwen3-4B text 2560-d
-    "full": dict(
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=16,
-        dim=3840,
-        n_layers=30,
-        n_refiner_layers=2,
-        n_heads=30,
-        n_kv_heads=30,
-        norm_eps=1e-5,
-        qk_norm=True,
-        cap_feat_dim=2560,
-        rope_theta=256.0,
-        t_scale=1000.0,
-        axes_dims=[32, 48, 48],
-        axes_lens=[1024, 512, 512],
-    ),
+    # 8 heads (dim 1024), 4 + 1 refiner layers
+    "small": dict(_COMMON, **_PRODUCTION_WIDTHS, dim=1024, n_layers=4, n_refiner_layers=1, n_heads=8, n_kv_heads=8),
+    # Z-Image-Turbo (6B): dim 3840, 30 heads, 30 layers + 2 refiner layers
+    "full": dict(_COMMON, **_PRODUCTION_WIDTHS, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30,
+                 norm_eps=1e-5),
 }
 
 

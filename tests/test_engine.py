@@ -684,19 +684,29 @@ def _hooks_hold_the_class_forward(blocks) -> bool:
     return all(innermost(b._diffusers_hook._fn_refs[0]).__func__ is type(b).forward for b in blocks)
 
 
-def test_first_block_cache_hooks_run_around_the_captured_blocks():
-    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry
+def _cached_flux(cache_config, seeds, layers=(2, 2)):
+    """A tiny Flux with a diffusers cache enabled, one forward's inputs per seed, and ``denoise()``
+    running them in order in one cache context (the cache's state reset first)."""
+    from diffusers.hooks import HookRegistry
 
-    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 3, "num_single_layers": 2}
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": layers[0], "num_single_layers": layers[1]}
     tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
-    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in (7, 7, 8)]
-    tr.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in seeds]
+    tr.enable_cache(cache_config)
 
-    def denoise():  # the second call repeats the first input: the cache skips the other blocks
+    def denoise():
         HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
         with torch.no_grad(), tr.cache_context("cond"):
             return [tr(**kw, return_dict=False)[0] for kw in calls]
 
+    return tr, calls, denoise
+
+
+def test_first_block_cache_hooks_run_around_the_captured_blocks():
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    # the second call repeats the first input: the cache skips the blocks after the first
+    tr, calls, denoise = _cached_flux(FirstBlockCacheConfig(threshold=0.3), seeds=(7, 7, 8), layers=(3, 2))
     ref = denoise()
     torch._dynamo.reset()
     exactdit.patch(tr)
@@ -759,7 +769,7 @@ def test_group_offloading_keeps_working(offload_type):
 
 @pytest.mark.parametrize("cache", ["pyramid_attention_broadcast", "mag_cache", "sea_cache"])
 def test_caches_on_blocks_run_with_the_blocks_captured(cache):
-    from diffusers.hooks import HookRegistry, MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig
+    from diffusers.hooks import MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig
 
     steps = 4
     config = {
@@ -769,16 +779,7 @@ def test_caches_on_blocks_run_with_the_blocks_captured(cache):
         "mag_cache": lambda: MagCacheConfig(num_inference_steps=steps, mag_ratios=[1.0] * steps, threshold=0.5),
         "sea_cache": lambda: SeaCacheConfig(),
     }[cache]
-    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 2}
-    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
-    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in range(10, 10 + steps)]
-    tr.enable_cache(config())
-
-    def denoise():
-        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
-        with torch.no_grad(), tr.cache_context("cond"):
-            return [tr(**kw, return_dict=False)[0] for kw in calls]
-
+    tr, _, denoise = _cached_flux(config(), seeds=range(10, 10 + steps))
     ref = denoise()
     torch._dynamo.reset()
     exactdit.patch(tr)
@@ -794,18 +795,10 @@ def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
     """TaylorSeer hooks each block's attention layer (a compiler-disabled forward inside the
     block): those blocks run diffusers' code with the reason, until the cache is disabled; another
     model of the same classes is not affected."""
-    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig
+    from diffusers.hooks import TaylorSeerCacheConfig
 
-    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 2}
-    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
-    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in range(10, 14)]
-    tr.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
-
-    def denoise():
-        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
-        with torch.no_grad(), tr.cache_context("cond"):
-            return [tr(**kw, return_dict=False)[0] for kw in calls]
-
+    tr, calls, denoise = _cached_flux(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+                                      seeds=range(10, 14))
     ref = denoise()
     torch._dynamo.reset()
     exactdit.patch(tr)
@@ -818,7 +811,8 @@ def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
     assert set(reasons) == {f"engine.FluxTransformer2DModel.{c}" for c in ("FluxTransformerBlock", "FluxSingleTransformerBlock")}
     assert _graph_runs("FluxTransformerBlock") == 0
 
-    other = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=7)
+    other = models.build_transformer("flux", {**models.get_spec("flux").config("tiny"), "num_layers": 2,
+                                              "num_single_layers": 2}, dtype=torch.bfloat16, seed=7)
     exactdit.patch(other)
     with torch.no_grad():
         other(**calls[0], return_dict=False)

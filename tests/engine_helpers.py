@@ -77,6 +77,13 @@ class CudaOrderInterpreter(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
+def engine_eager_reasons() -> dict:
+    """Why patched blocks ran diffusers' code, per block class (``exactdit.report()``'s engine entries)."""
+    import exactdit
+
+    return {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
+
+
 def uncompile(model: torch.nn.Module) -> None:
     for m in model.modules():
         if getattr(m, "_compiled_call_impl", None) is not None:

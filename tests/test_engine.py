@@ -20,7 +20,7 @@ from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
-from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, trusted
+from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, engine_eager_reasons, trusted
 from tests.helpers import assert_bits_equal, rand
 
 aten = torch.ops.aten
@@ -672,10 +672,6 @@ def _graph_runs(block: str) -> int:
     return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
 
 
-def _engine_eager_reasons() -> dict:
-    return {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
-
-
 def _hooks_hold_the_class_forward(blocks) -> bool:
     """Each block's diffusers hook chain ends in the block class's own forward (as before a patch)."""
     def innermost(ref):
@@ -713,7 +709,7 @@ def test_first_block_cache_hooks_run_around_the_captured_blocks():
     out = denoise()
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    assert _engine_eager_reasons() == {}
+    assert engine_eager_reasons() == {}
     # the cache's head block runs its graph on all three calls (inside the hook's compiler-disabled
     # new_forward), blocks 1 and 2 on the two calls the cache does not skip
     assert _graph_runs("FluxTransformerBlock") == 3 + 2 * 2
@@ -729,7 +725,7 @@ def test_first_block_cache_hooks_run_around_the_captured_blocks():
     with torch.no_grad():
         assert_bits_equal(tr(**calls[2], return_dict=False)[0], ref[2])  # a call the cache computed in full
     exactdit.unpatch(tr)
-    assert _graph_runs("FluxTransformerBlock") == runs + 3 and _engine_eager_reasons() == {}
+    assert _graph_runs("FluxTransformerBlock") == runs + 3 and engine_eager_reasons() == {}
     assert all(type(b.forward).__name__ == "method" for b in tr.transformer_blocks)
 
 
@@ -741,11 +737,10 @@ def test_group_offloading_keeps_working(offload_type):
     from diffusers.hooks import apply_group_offloading
 
     cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
-    kw = models.forward_inputs("flux", models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6),
-                               batch=1, height=32, width=32, seed=7)
-    with torch.no_grad():
-        ref = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)(**kw, return_dict=False)[0]
     tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
     cpu = torch.device("cpu")
     apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type=offload_type,
                            **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
@@ -758,7 +753,7 @@ def test_group_offloading_keeps_working(offload_type):
         outs.append(tr(**kw, return_dict=False)[0])
     for out in outs:
         assert_bits_equal(out, ref)
-    reasons = _engine_eager_reasons()
+    reasons = engine_eager_reasons()
     if offload_type == "block_level":
         assert reasons == {}
         assert _graph_runs("FluxTransformerBlock") == 2 * 2 and _graph_runs("FluxSingleTransformerBlock") == 2 * 3
@@ -787,7 +782,7 @@ def test_caches_on_blocks_run_with_the_blocks_captured(cache):
     exactdit.unpatch(tr)
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    assert _engine_eager_reasons() == {}
+    assert engine_eager_reasons() == {}
     assert _graph_runs("FluxTransformerBlock") > 0 and _graph_runs("FluxSingleTransformerBlock") > 0
 
 
@@ -807,7 +802,7 @@ def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
         out = denoise()
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    reasons = _engine_eager_reasons()
+    reasons = engine_eager_reasons()
     assert set(reasons) == {f"engine.FluxTransformer2DModel.{c}" for c in ("FluxTransformerBlock", "FluxSingleTransformerBlock")}
     assert _graph_runs("FluxTransformerBlock") == 0
 

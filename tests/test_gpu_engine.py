@@ -13,6 +13,7 @@ import exactdit
 from exactdit.harness import models
 from exactdit.harness.models import qwen
 from exactdit.harness.metrics import outputs_equal
+from tests.engine_helpers import engine_eager_reasons
 
 pytestmark = pytest.mark.gpu
 
@@ -75,5 +76,4 @@ def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream):
                            offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
     _assert_patched_equals_eager(tr, kw)
     assert _equal(_forward(tr, kw), resident)
-    eager = {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
-    assert eager == {}
+    assert engine_eager_reasons() == {}

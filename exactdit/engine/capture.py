@@ -11,6 +11,29 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 
+def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
+    """The block classes ``model`` repeats: its ``_repeated_blocks`` where diffusers lists them,
+    else the classes of the ``nn.ModuleList``s that hold two or more modules of one class defined
+    outside ``torch.nn`` (SD3's ``transformer_blocks``, PixArt's, Sana's, Lumina2's refiners and
+    layers), outermost lists only. On every class that lists its blocks the two agree (diffusers
+    0.42.1), bar token refiners and projections some classes leave out of the list."""
+    listed = tuple(getattr(model, "_repeated_blocks", None) or ())
+    if listed:
+        return listed
+    found: list[str] = []
+    inside: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.ModuleList) or len(m) < 2 or any(name.startswith(p) for p in inside):
+            continue
+        classes = {type(c) for c in m}
+        if len(classes) == 1 and not next(iter(classes)).__module__.startswith("torch.nn"):
+            cls = next(iter(classes)).__name__
+            if cls not in found:
+                found.append(cls)
+            inside.append(name + ".")
+    return tuple(found)
+
+
 def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
     """The ATen inference graphs of ``model``'s repeated blocks (captured as
     ``compile_repeated_blocks`` captures them: one backend per block class) and the inputs of each
@@ -34,7 +57,7 @@ def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.G
 
     torch._dynamo.reset()
     backends: dict = {}
-    names = set(getattr(model, "_repeated_blocks", ()) or ())
+    names = set(repeated_blocks(model))
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for m in blocks:
         label = type(m).__name__

@@ -115,11 +115,11 @@ def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, 
     partition's nodes belong to the prepared copy of the graph (same names as the captured nodes
     they stand for)."""
     from exactdit.engine.backend import COPY_OF, prepare
-    from exactdit.engine.capture import NodeTimer, capture_graphs
+    from exactdit.engine.capture import NodeTimer, capture_graphs, repeated_blocks
     from exactdit.engine.partition import _is_compute, find_regions
 
     blocks = collections.Counter(type(m).__name__ for m in model.modules()
-                                 if type(m).__name__ in set(getattr(model, "_repeated_blocks", ()) or ()))
+                                 if type(m).__name__ in set(repeated_blocks(model)))
     seen: set = set()
     out = []
     for k, (cls, gm, inputs) in enumerate(capture_graphs(model, kwargs)):

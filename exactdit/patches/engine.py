@@ -1,7 +1,8 @@
 """``exactdit.patch`` for any diffusers transformer: its repeated blocks run through the engine.
 
 diffusers lists each transformer's repeated block classes in ``_repeated_blocks`` (what its
-own ``compile_repeated_blocks`` compiles). Each such block, and the final-norm modules listed in
+own ``compile_repeated_blocks`` compiles); for classes that list none (SD3, PixArt, Sana,
+CogVideoX, Lumina2, ...) they are the modules its ``nn.ModuleList``s repeat. Each such block, and the final-norm modules listed in
 :data:`EXTRA_MODULES`, gets a compiled call through the ``exactdit`` backend: Dynamo captures
 the block class once (all instances share the graph), the engine rewrites it, and the block
 runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
@@ -33,6 +34,7 @@ import warnings
 import torch
 
 from exactdit import gate
+from exactdit.engine.capture import repeated_blocks
 
 logger = logging.getLogger("exactdit")
 
@@ -201,13 +203,13 @@ def _first_line(e: Exception) -> str:
 
 def targets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(class name, module) of every module the engine compiles in ``model``."""
-    names = set(getattr(model, "_repeated_blocks", None) or ()) | set(EXTRA_MODULES.get(type(model).__name__, ()))
+    names = set(repeated_blocks(model)) | set(EXTRA_MODULES.get(type(model).__name__, ()))
     return [(type(m).__name__, m) for m in model.modules() if type(m).__name__ in names]
 
 
 def why_not(model: torch.nn.Module) -> str | None:
-    if not getattr(model, "_repeated_blocks", None):
-        return f"{type(model).__name__} lists no repeated blocks (_repeated_blocks)"
+    if not repeated_blocks(model):
+        return f"{type(model).__name__} has no repeated blocks (no _repeated_blocks, no list of like modules)"
     return None
 
 

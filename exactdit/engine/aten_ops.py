@@ -69,6 +69,8 @@ def why_not_fusable(node: fx.Node) -> str | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return f"{_name(node)} does not produce one tensor"
+    if not all(_static(a.meta.get("val")) for a in (node, *node.all_input_nodes)):
+        return "data-dependent shape"  # e.g. after nonzero (Mochi's text selection): sizes known only at run time
     if val.numel() == 0:
         return "empty tensor"
     if rule.kind not in (VIEW,) and val.dtype not in FLOAT_DTYPES + (COMPLEX,) and node.target not in BOOL_RESULTS:
@@ -76,6 +78,15 @@ def why_not_fusable(node: fx.Node) -> str | None:
     if val.device.type not in ("cuda", "cpu"):
         return f"{val.device.type} tensors"
     return rule.check(node)
+
+
+def _static(val) -> bool:
+    """Whether ``val`` (a node's value) has plain integer sizes and strides, or is no tensor."""
+    if isinstance(val, (tuple, list)):
+        return all(_static(v) for v in val)
+    if not isinstance(val, torch.Tensor):
+        return True
+    return all(type(s) is int for s in (*val.shape, *val.stride()))
 
 
 def _name(node: fx.Node) -> str:
@@ -612,6 +623,8 @@ def _cat_emit(em: Emitter, node: fx.Node, index: Index) -> Val:
     result: Val | None = None
     for t, start, size in reversed(pieces):
         lo, hi = start, start + size
+        if lo >= i.bound:  # past what the index reaches (the cat is sliced after): never read
+            continue
         cond_parts = []
         if lo > 0:
             cond_parts.append(f"({i.code()} >= {lo})")
@@ -623,7 +636,7 @@ def _cat_emit(em: Emitter, node: fx.Node, index: Index) -> Val:
                        (i, lo, hi, 1))
             if cond else em.value(t, _piece_index(node, index, d, start, t))
         )
-        if result is None:
+        if result is None or cond is None:  # no condition: this piece holds every column reached
             result = piece
         else:
             k = max(piece.kind, result.kind, kind)

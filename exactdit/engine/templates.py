@@ -296,6 +296,23 @@ def _fused_rms_check(node: fx.Node) -> str | None:
     return _last_dim_only(node, normalized) or _params_like_input(node, (weight,))
 
 
+def _rows_of_contiguous_columns(val: torch.Tensor) -> bool:
+    """Whether ``val``'s last dim is contiguous and its rows tile memory densely in any order
+    (a permuted contiguous tensor: q/k after ``transpose(1, 2)`` in SD3's processor). ATen's
+    reduction configuration depends on the row count, the row width and the reduced dim's stride,
+    and every row then starts at a multiple of the width, as in a contiguous tensor: the same order
+    per row (``benchmarks/probe_permuted_mean.py`` checks it on the GPU)."""
+    if val.is_contiguous():
+        return True
+    dims = sorted((st, n) for n, st in zip(val.shape, val.stride()) if n != 1)
+    expected = 1
+    for st, n in dims:  # innermost first: each dim's stride is the extent of those inside it
+        if st != expected:
+            return False
+        expected *= n
+    return val.shape[-1] == 1 or val.stride(-1) == 1
+
+
 def _mean_check(node: fx.Node) -> str | None:
     from exactdit.ops.rms_norm import _reduce_config
 
@@ -310,8 +327,8 @@ def _mean_check(node: fx.Node) -> str | None:
     if width >= 128 and width % 4:
         return "rows misaligned in ATen's reduction (D % 4 != 0)"
     val = x.meta["val"]
-    if not val.is_contiguous():
-        return "mean of a non-contiguous tensor"
+    if not _rows_of_contiguous_columns(val):
+        return "mean of rows that are not each contiguous"
     cfg = _reduce_config(math.prod(shape[:-1]), width)
     return cfg if isinstance(cfg, str) else None
 

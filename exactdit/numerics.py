@@ -166,7 +166,7 @@ if INTERPRET:
 
     @triton.jit
     def rsqrt_approx(x):
-        """Interpreter stand-in for ``rsqrt.approx.f32``: correctly rounded ``1 / sqrt(x)``."""
+        """Interpreter stand-in for ``rsqrt.approx.f32``: ``1 / sqrt(x)``, each op rounded to fp32."""
         return tl.div_rn(1.0, tl.sqrt_rn(x))
 
 else:

@@ -12,15 +12,11 @@ import torch.fx as fx
 
 from exactdit.aten_norms import fma_f32, layer_norm_order_model, rms_norm_order_model
 from exactdit.aten_reduce import mean_lastdim_reference_order
+from exactdit.engine.backend import rewrite
 from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
+from tests.helpers import assert_bits_equal, interpreter_rsqrt
 
 aten = torch.ops.aten
-
-
-def interpreter_rsqrt(x: torch.Tensor) -> torch.Tensor:
-    """What ``numerics.rsqrt_approx`` computes in Triton's interpreter: the correctly rounded
-    ``1 / sqrt(x)`` (the GPU's ``rsqrt.approx`` cannot be reproduced on the CPU)."""
-    return (1.0 / torch.sqrt(x.double())).to(x.dtype)
 
 
 def _mean(x, dims, keepdim=False, dtype=None):
@@ -145,3 +141,36 @@ class GraphBuilder:
     def module(self, *outputs: fx.Node) -> fx.GraphModule:
         self.graph.output(tuple(outputs))
         return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def rewrite_and_check(gm, inputs, label: str = "test"):
+    """Rewrite ``gm``, run it (kernels in the interpreter) and hold every output to the graph run
+    as CUDA runs it; returns the coverage report."""
+    with torch.no_grad():
+        ref = CudaOrderInterpreter(gm).run(*inputs)
+        report = rewrite(gm, label)
+        with trusted():
+            out = gm(*inputs)
+    assert report.regions and not report.failed, report.lines()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r, label)
+    return report
+
+
+def assert_patched_equals_eager(tr, kw, forward, some_fused: bool = True) -> None:
+    """Two patched forwards (verifying, then verified kernels) equal the unpatched one, no region
+    disabled, some fused (unless ``some_fused`` is False: blocks the engine cannot capture)."""
+    import exactdit
+    from exactdit.harness.metrics import outputs_equal
+
+    ref = forward(tr, kw)
+    try:
+        exactdit.patch(tr)
+        out = forward(tr, kw)
+        again = forward(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
+    assert outputs_equal(out, ref) and outputs_equal(again, ref)
+    report = exactdit.report(show=False)
+    assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
+    assert sum(v["fused"] for v in report.values()) > 0 or not some_fused

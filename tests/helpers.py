@@ -12,6 +12,13 @@ def assert_bits_equal(out, ref, what=""):
     assert problem is None, f"{what}: {problem}"
 
 
+def interpreter_rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """What ``numerics.rsqrt_approx`` computes in Triton's interpreter: ``fl(1 / fl(sqrt(x)))`` in fp32
+    (the sqrt in fp64, rounded: torch's CPU fp32 sqrt is not always correctly rounded). The GPU's
+    ``rsqrt.approx`` cannot be reproduced on the CPU."""
+    return (torch.ones_like(x, dtype=torch.float32) / torch.sqrt(x.double()).float()).to(x.dtype)
+
+
 def rand(shape, dtype, device, generator, scale=1.0):
     """Random values with a wide spread of magnitudes (not just N(0, 1))."""
     device = torch.device(device)

@@ -19,7 +19,7 @@ from exactdit.aten_norms import layer_norm_order_model
 from exactdit.kernels import layer_norm as kernels
 from exactdit.ops.layer_norm import LAYER_NORM, LAYER_NORM_MODULATE
 from tests.conftest import DEVICE, ON_GPU
-from tests.helpers import activation, assert_bits_equal, modulation, rand
+from tests.helpers import activation, assert_bits_equal, interpreter_rsqrt, modulation, rand
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU model tests; on a GPU see test_gpu_layer_norm.py")
 
@@ -28,17 +28,10 @@ AFFINE = ["none", "weight", "bias", "both"]
 KINDS = ["bsd", "sbd", "sbd_as_bsd", "rows", "row_slice"]
 
 
-def interp_rsqrt(v):
-    """The interpreter's ``rsqrt_approx``: ``1 / sqrt(v)`` with each op correctly rounded in fp32
-    (torch's CPU fp32 sqrt is not always correctly rounded, so the sqrt is done in fp64:
-    rounding a correctly rounded fp64 sqrt to fp32 is correct)."""
-    return torch.ones_like(v) / torch.sqrt(v.double()).float()
-
-
 def model(x, eps, weight, bias, choices=None):
     ch = dict(kernels.CHOICES, **(choices or {}))
     return layer_norm_order_model(
-        x, weight, bias, eps, rsqrt=interp_rsqrt, vectorized=True,
+        x, weight, bias, eps, rsqrt=interpreter_rsqrt, vectorized=True,
         mean_fma=ch["mean_fma"], sigma_fma=ch["sigma_fma"],
     )
 

@@ -10,7 +10,6 @@ called directly (``FusedOp.fused``), outputs poisoned (conftest).
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,20 +17,15 @@ import exactdit
 from exactdit import aten_norms, ops, references
 from exactdit.ops.rope import HEAD_RMS_NORM, QK_NORM_ROPE, ROPE, _norm_support, _rope_support, _x_support
 from tests.conftest import DEVICE, ON_GPU
-from tests.helpers import assert_bits_equal, rand
+from tests.helpers import assert_bits_equal, interpreter_rsqrt, rand
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU order-model tests (GPU runs test_gpu_rope.py)")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def rsqrt_interp(x: torch.Tensor) -> torch.Tensor:
-    """What ``numerics.rsqrt_approx`` computes in the interpreter: fl(1 / fl(sqrt(x)))."""
-    return torch.from_numpy(np.float32(1) / np.sqrt(x.numpy()))
-
-
 def norm_model(x, weight, eps=1e-6):
-    return aten_norms.rms_norm_order_model(x, weight, eps, rsqrt=rsqrt_interp, vectorized=True)
+    return aten_norms.rms_norm_order_model(x, weight, eps, rsqrt=interpreter_rsqrt, vectorized=True)
 
 
 def qkv(B, S, H, hd, dtype, g, kind):
@@ -74,7 +68,7 @@ def test_head_rms_norm_any_rank_and_eps(shape):
     x = rand(shape, torch.bfloat16, DEVICE, g, scale=1e-3)  # small rows: eps matters
     w = rand(shape[-1:], torch.bfloat16, DEVICE, g)
     for eps in (1e-6, 1e-2, None):
-        model = aten_norms.rms_norm_order_model(x, w, eps, rsqrt=rsqrt_interp, vectorized=True)
+        model = aten_norms.rms_norm_order_model(x, w, eps, rsqrt=interpreter_rsqrt, vectorized=True)
         assert_bits_equal(HEAD_RMS_NORM.fused(x, w, eps), model, f"eps {eps}")
 
 
@@ -84,7 +78,7 @@ def test_fp32_sum_of_squares_is_fused_multiply_add():
     g = torch.Generator().manual_seed(2)
     x = rand((64, 8, 128), torch.float32, DEVICE, g)
     out = HEAD_RMS_NORM.fused(x, None, 1e-6)
-    no_fma = aten_norms.rms_norm_order_model(x, None, 1e-6, rsqrt=rsqrt_interp, vectorized=True, square_fma=False)
+    no_fma = aten_norms.rms_norm_order_model(x, None, 1e-6, rsqrt=interpreter_rsqrt, vectorized=True, square_fma=False)
     assert_bits_equal(out, norm_model(x, None))
     assert not torch.equal(out, no_fma)
 
@@ -94,9 +88,9 @@ def test_reduction_order_is_not_a_plain_sum():
     model (and kernel) is a real constraint, not a tautology."""
     g = torch.Generator().manual_seed(3)
     x = rand((512, 256), torch.float32, DEVICE, g)
-    _, rstd = aten_norms.rms_norm_order_model(x, None, 1e-6, rsqrt=rsqrt_interp, vectorized=True, return_rstd=True)
+    _, rstd = aten_norms.rms_norm_order_model(x, None, 1e-6, rsqrt=interpreter_rsqrt, vectorized=True, return_rstd=True)
     var = (x * x).sum(-1, keepdim=True) / torch.full_like(rstd, 256.0)
-    plain = rsqrt_interp(var + torch.full_like(var, 1e-6))
+    plain = interpreter_rsqrt(var + torch.full_like(var, 1e-6))
     assert not torch.equal(rstd, plain)
 
 

@@ -4,7 +4,6 @@ the backend and the patch. Kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
-import operator
 import re
 import warnings
 
@@ -20,7 +19,8 @@ from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
-from tests.engine_helpers import CudaOrderInterpreter, GraphBuilder, capture_graphs, engine_eager_reasons, trusted
+from tests.engine_helpers import (GraphBuilder, capture_graphs, engine_eager_reasons,
+                                  rewrite_and_check, trusted)
 from tests.helpers import assert_bits_equal, rand
 
 aten = torch.ops.aten
@@ -64,12 +64,12 @@ def test_column_values_follow_what_an_index_computes():
 
 
 def _rewritten_run(build, inputs, sources: list | None = None):
-    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`_rewrite_and_check`);
+    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`rewrite_and_check`);
     the generated kernels' sources are appended to ``sources``."""
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
     gm = b.module(*build(b, *nodes))
-    report = _rewrite_and_check(gm, inputs)
+    report = rewrite_and_check(gm, inputs)
     if sources is not None:
         sources.extend(k.source for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
                        for _, k in n.target.exactdit_region.kernels())
@@ -80,20 +80,6 @@ def _assert_partners_move_between_lanes(sources, move="rows_k.pair_"):
     """The rotary partner is moved between lanes of the tile: no gather, no second load of the row."""
     assert any(move in s for s in sources), sources
     assert not any("tl.gather" in s for s in sources), sources
-
-
-def _rewrite_and_check(gm, inputs, label: str = "test"):
-    """Rewrite ``gm``, run it (kernels in the interpreter) and hold every output to the graph run
-    as CUDA runs it; returns the coverage report."""
-    with torch.no_grad():
-        ref = CudaOrderInterpreter(gm).run(*inputs)
-        report = rewrite(gm, label)
-        with trusted():
-            out = gm(*inputs)
-    assert report.regions and not report.failed, report.lines()
-    for o, r in zip(out, ref):
-        assert_bits_equal(o, r, label)
-    return report
 
 
 OPS = {
@@ -147,7 +133,7 @@ def test_permuted_and_strided_inputs():
 # --- reduction templates against CUDA's orders ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("width", [64, 96, 3072])
+@pytest.mark.parametrize("width", [16, 32, 48, 64, 96, 3072])
 @pytest.mark.parametrize("affine", [False, True])
 def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
     g = torch.Generator().manual_seed(width)
@@ -284,7 +270,7 @@ def test_captured_blocks_equal_cuda_order(name):
     video = dict(num_frames=5) if models.get_spec(name).video else {}
     kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, **video)
     for _, gm, inputs in capture_graphs(tr, kw):
-        _rewrite_and_check(gm, inputs, name)
+        rewrite_and_check(gm, inputs, name)
 
 
 @pytest.mark.parametrize("name", ["qwen", "zimage"])
@@ -294,7 +280,7 @@ def test_captured_blocks_with_prompts_of_different_lengths(name):
     tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=4)
     kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, text_len=[9, 4])
     for _, gm, inputs in capture_graphs(tr, kw):
-        _rewrite_and_check(gm, inputs, name)
+        rewrite_and_check(gm, inputs, name)
 
 
 def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
@@ -304,7 +290,7 @@ def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
     tr = models.build_transformer("qwen", cfg, dtype=torch.bfloat16, seed=4)
     kw = qwen.with_condition_image(models.forward_inputs("qwen", tr, batch=1, seed=5, height=32, width=32), seed=6)
     for _, gm, inputs in capture_graphs(tr, kw):
-        _rewrite_and_check(gm, inputs, "qwen-edit")
+        rewrite_and_check(gm, inputs, "qwen-edit")
 
 
 # --- launch plans: the compiled launchers called directly ----------------------------------------------
@@ -364,7 +350,7 @@ def test_complex_rope_reads_each_frequency_pair_with_one_load(head_dim):
 
     b = GraphBuilder()
     gm = b.module(*build(b, *[b.input(t) for t in (x, w, freqs)]))
-    _rewrite_and_check(gm, [x, w, freqs], "crope")
+    rewrite_and_check(gm, [x, w, freqs], "crope")
     kernels = [k for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
                for _, k in n.target.exactdit_region.kernels()]
     assert kernels
@@ -509,6 +495,18 @@ def test_a_region_reads_an_empty_cat_piece_it_never_loads():
     _rewritten_run(build, [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)])
 
 
+def test_a_cat_sliced_to_its_first_piece_reads_only_that_piece():
+    # HunyuanVideo's token refiner in fp32: cat([a, b], -1)[..., :width of a]; the slice's columns
+    # all lie in the first piece, which needs no selection, and the second is never loaded
+    def build(b, x, y):
+        cat = b.op(aten.cat.default, [b.op(aten.mul.Tensor, x, 3.0), y], 1)
+        return (b.op(aten.add.Tensor, b.op(aten.slice.Tensor, cat, 1, 0, 128), 1.0),)
+
+    sources = []
+    _rewritten_run(build, [torch.randn(2, 128), torch.randn(2, 64)], sources)
+    assert sources and all("in1_ptr" not in s.split("):", 1)[1] for s in sources), sources
+
+
 def test_rope_written_through_strided_slices_of_an_empty_tensor():
     # Wan's RoPE: out = empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b, functionalized into
     # copy + slice_scatter; the uninitialised values are all overwritten, so the region is exact
@@ -553,7 +551,7 @@ def test_per_token_modulation_read_in_pieces_fuses_into_each_consumer():
     kw = models.forward_inputs("wan", tr, batch=2, seed=5, height=64, width=64, num_frames=5)
     assert kw["timestep"].shape == (2, 2 * 2 * 2) and kw["timestep"].stride(0) == 0
     for _, gm, inputs in capture_graphs(tr, kw):
-        report = _rewrite_and_check(gm, inputs, "wan2.2")
+        report = rewrite_and_check(gm, inputs, "wan2.2")
         left = next(line for line in report.lines() if "left to ATen" in line)
         assert re.search(r"\b(add|_to_copy) x", left) is None, left
     # the coverage report counts the captured sum, which no longer runs, as fused

@@ -9,33 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import exactdit
 from exactdit.harness import models
 from exactdit.harness.models import qwen
 from exactdit.harness.metrics import outputs_equal
-from tests.engine_helpers import engine_eager_reasons
+from tests.engine_helpers import assert_patched_equals_eager, engine_eager_reasons
 
 pytestmark = pytest.mark.gpu
 
 
-_forward = models.run_forward
-_equal = outputs_equal
-
-
 def _assert_patched_equals_eager(tr, kw):
-    """Two patched forwards (verifying, then verified kernels) equal the unpatched one, no region
-    disabled, some fused."""
-    ref = _forward(tr, kw)
-    try:
-        exactdit.patch(tr)
-        out = _forward(tr, kw)
-        again = _forward(tr, kw)
-    finally:
-        exactdit.unpatch(tr)
-    assert _equal(out, ref) and _equal(again, ref)
-    report = exactdit.report(show=False)
-    assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
-    assert sum(v["fused"] for v in report.values()) > 0
+    assert_patched_equals_eager(tr, kw, models.run_forward)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -71,9 +54,9 @@ def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream):
     cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
     tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, device="cuda", seed=1)
     kw = models.forward_inputs("flux", tr, batch=2, seed=2, height=128, width=128)
-    resident = _forward(tr, kw)
+    resident = models.run_forward(tr, kw)
     apply_group_offloading(tr.to("cpu"), onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
                            offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
     _assert_patched_equals_eager(tr, kw)
-    assert _equal(_forward(tr, kw), resident)
+    assert outputs_equal(models.run_forward(tr, kw), resident)
     assert engine_eager_reasons() == {}

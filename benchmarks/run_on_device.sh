@@ -12,6 +12,8 @@
 #   engine-tests     pytest -m gpu for the engine and the kernels it shares
 #   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
 #   engine-chroma    diffusers' Chroma test configs
+#   minis-tests      pytest -m gpu tests/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
+#                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 #   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
@@ -66,6 +68,9 @@ for stage in "$@"; do
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_gpu_layer_norm.py \
         tests/test_gpu_rope.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
+    minis-tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
+        tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     engine-ernie)
       ERNIE_EQ_BUDGET_S=30 timeout 75 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | \
         grep -E "md5|EQUAL|DIFFERENT|skipped" | tail -12 ;;

@@ -1,0 +1,109 @@
+"""Mini models: more diffusers transformer classes at tiny configs, each with one forward's inputs.
+
+The fully specified models (:mod:`exactdit.harness.models`: Flux.1, Qwen-Image, Z-Image, Wan,
+ERNIE-Image, ...) carry production configs, pipelines and sampling. A mini model is only what a
+compatibility check needs: the class, a tiny config (two or more repeated blocks, small widths)
+and a function giving one forward's keyword arguments. Everything model-specific is data here;
+the checks that run them are generic (``tests/test_minis.py`` on the CPU, ``tests/test_gpu_minis.py``).
+Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+
+from exactdit.harness.models.core import build_random, frozen, thaw
+
+#: (model, batch, generator, dtype) -> forward kwargs (CPU tensors; ``return_dict`` is the caller's)
+InputsFn = Callable[[torch.nn.Module, int, torch.Generator, torch.dtype], dict]
+
+
+@dataclass(frozen=True, eq=False)
+class Mini:
+    """A diffusers transformer class at a tiny config. ``video``: inputs have a frame axis.
+    ``eager``: why the engine leaves its blocks to diffusers' code (a known limit), else None."""
+
+    name: str
+    cls: str
+    config: Mapping[str, Any]
+    inputs: InputsFn
+    video: bool = False
+    eager: str | None = None
+
+    @property
+    def transformer_cls(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.cls)
+
+
+_MINIS: dict[str, Mini] = {}
+MINIS: Mapping[str, Mini] = MappingProxyType(_MINIS)
+
+
+def mini(name: str, cls: str, config: Mapping[str, Any], *, video: bool = False, eager: str | None = None):
+    """Register the decorated inputs function as mini model ``name``."""
+
+    def register(fn: InputsFn) -> InputsFn:
+        if name in _MINIS:
+            raise ValueError(f"mini model {name!r} registered twice")
+        _MINIS[name] = Mini(name, cls, frozen(config), fn, video, eager)
+        return fn
+
+    return register
+
+
+def build(name: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+          device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Mini model ``name`` with seeded random weights and ``from_pretrained(torch_dtype=dtype)``'s dtypes."""
+    spec = MINIS[name]
+    cfg = thaw(spec.config)
+    return build_random(lambda: spec.transformer_cls(**cfg), seed=seed, dtype=dtype, device=device)
+
+
+def forward_inputs(name: str, model: torch.nn.Module, *, batch: int = 2, seed: int = 0,
+                   device: torch.device | str = "cpu") -> dict:
+    """One forward's keyword arguments for mini model ``name``, on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    return _to(MINIS[name].inputs(model, batch, g, compute_dtype(model)), device)
+
+
+def _to(value, device):
+    """``value`` with every tensor in it (in dicts, lists and tuples too) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def run(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """One forward; its prediction (the first output: some classes return a bare tensor)."""
+    out = model(**inputs, return_dict=False)
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of ``model``'s parameters (modules kept in float32 aside)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.get)
+
+
+def randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def timesteps(g: torch.Generator, batch: int, scale: float = 1000.0) -> torch.Tensor:
+    """Distinct float timesteps in [0, scale) per row (a float32 tensor, as pipelines pass)."""
+    return torch.rand(batch, generator=g) * scale
+
+
+from exactdit.harness.minis import image as _image, video as _video  # noqa: E402,F401  (entries register themselves)

@@ -1,0 +1,89 @@
+"""Mini models (:mod:`exactdit.harness.minis`): more diffusers transformer classes at tiny configs.
+On the CPU: which blocks the engine finds, every block class captured, each captured graph
+rewritten and held to the graph run with CUDA's reduction orders (kernels in the interpreter),
+and ``exactdit.patch`` capturing every block of the model without running any of diffusers' code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exactdit
+from exactdit.engine.capture import repeated_blocks
+from exactdit.harness import minis
+from tests.engine_helpers import capture_graphs, engine_eager_reasons, rewrite_and_check
+
+NAMES = list(minis.MINIS)
+#: held to CUDA's orders in the interpreter, one per kind of graph the others repeat (the
+#: interpreter runs each row-per-program kernel program by program: 1-3 minutes per model);
+#: tests/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
+#: RMSNorm of permuted q/k; flux2: SwiGLU, per-head norms with 4-axis RoPE; hunyuan-video: token
+#: refiner, sliced cats; ltx-video: RMSNorm across heads; lumina2: grouped-query, sandwich norms.
+INTERPRETED = ["sd3", "flux2", "hunyuan-video", "ltx-video", "lumina2"]
+
+
+@pytest.mark.parametrize("name", INTERPRETED)
+def test_captured_blocks_equal_cuda_order(name):
+    tr = minis.build(name, dtype=torch.bfloat16, seed=4)
+    kw = minis.forward_inputs(name, tr, batch=1, seed=5)
+    graphs = capture_graphs(tr, kw)
+    assert {cls for cls, _, _ in graphs} == set(repeated_blocks(tr))
+    for _, gm, inputs in graphs:
+        rewrite_and_check(gm, inputs, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_patch_captures_every_block(name):
+    tr = minis.build(name, dtype=torch.float32, seed=4)
+    kw = minis.forward_inputs(name, tr, batch=2, seed=5)
+    ref = minis.run(tr, kw)
+    summary = exactdit.patch(tr)
+    try:
+        out = minis.run(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
+    assert summary["patched"] and set(summary["modules"]) >= set(repeated_blocks(tr))
+    reasons = engine_eager_reasons()
+    if minis.MINIS[name].eager is None:
+        assert reasons == {}
+    else:  # a known limit: its blocks run diffusers' code, with the reason
+        assert reasons and all("not captured" in r for v in reasons.values() for r in v), reasons
+    assert torch.equal(out, ref)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.proj(x)
+
+
+class _Listed(torch.nn.Module):
+    _repeated_blocks = ("_Block",)
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])  # torch.nn's: no block
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.extra = torch.nn.ModuleList([_Listed.Extra(), _Listed.Extra()])
+
+    class Extra(_Block):
+        pass
+
+
+def test_repeated_blocks_are_listed_or_the_modules_lists_repeat():
+    assert repeated_blocks(_Listed()) == ("_Block",)  # listed: the list wins
+    unlisted = _Listed()
+    unlisted._repeated_blocks = ()
+    assert repeated_blocks(unlisted) == ("_Block", "Extra")
+    unlisted.blocks.append(torch.nn.Linear(8, 8))  # a list of mixed classes holds no repeated block
+    assert repeated_blocks(unlisted) == ("Extra",)
+    assert repeated_blocks(torch.nn.Sequential(_Block(), _Block())) == ()
+
+
+def test_a_model_without_repeated_blocks_is_left_unpatched_with_the_reason():
+    with pytest.warns(UserWarning, match="no repeated blocks"):
+        summary = exactdit.patch(torch.nn.Sequential(_Block(), _Block()))
+    assert not summary["patched"] and "no repeated blocks" in summary["reason"]

@@ -18,8 +18,11 @@ NAMES = list(minis.MINIS)
 #: interpreter runs each row-per-program kernel program by program: 1-3 minutes per model);
 #: tests/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
 #: RMSNorm of permuted q/k; flux2: SwiGLU, per-head norms with 4-axis RoPE; hunyuan-video: token
-#: refiner, sliced cats; ltx-video: RMSNorm across heads; lumina2: grouped-query, sandwich norms.
-INTERPRETED = ["sd3", "flux2", "hunyuan-video", "ltx-video", "lumina2"]
+#: refiner, sliced cats; ltx-video: RMSNorm across heads; lumina2: grouped-query, sandwich norms;
+#: cogvideox: values handed to ATen; pixart-sigma: BasicTransformerBlock; mochi: data-dependent
+#: sizes; ltx2-video: audio and video streams; kandinsky5: a bare-tensor output.
+INTERPRETED = ["sd3", "flux2", "hunyuan-video", "ltx-video", "lumina2", "cogvideox", "pixart-sigma", "mochi",
+               "ltx2-video", "kandinsky5"]
 
 
 @pytest.mark.parametrize("name", INTERPRETED)
@@ -28,8 +31,9 @@ def test_captured_blocks_equal_cuda_order(name):
     kw = minis.forward_inputs(name, tr, batch=1, seed=5)
     graphs = capture_graphs(tr, kw)
     assert {cls for cls, _, _ in graphs} == set(repeated_blocks(tr))
-    for _, gm, inputs in graphs:
-        rewrite_and_check(gm, inputs, name)
+    # a block may hold nothing to fuse (HunyuanVideo's patch embedding: one convolution)
+    reports = [rewrite_and_check(gm, inputs, name, need_regions=False) for _, gm, inputs in graphs]
+    assert sum(len(r.regions) for r in reports) >= len(reports)
 
 
 @pytest.mark.parametrize("name", NAMES)

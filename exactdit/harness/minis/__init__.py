@@ -97,6 +97,18 @@ def compute_dtype(model: torch.nn.Module) -> torch.dtype:
     return max(sizes, key=sizes.get)
 
 
+TEXT_LEN = 7  #: text tokens of every mini's prompt (odd on purpose)
+
+
+def text_mask(batch: int, dtype: torch.dtype = torch.long, length: int = TEXT_LEN, pad: int = 2) -> torch.Tensor:
+    """[batch, length] text attention mask as tokenizers give it (1 = token): the second row, when
+    there is one, ends in ``pad`` padding tokens; the others have none."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1:
+        mask[1, length - pad:] = 0
+    return mask.to(dtype)
+
+
 def randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 

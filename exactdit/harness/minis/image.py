@@ -7,21 +7,13 @@ last two tokens padding). Text length 7 (odd on purpose).
 
 import torch
 
-from exactdit.harness.minis import mini, randn, timesteps
+from exactdit.harness.minis import TEXT_LEN as TXT, mini, randn, text_mask, timesteps
 
-TXT = 7  # text tokens
-
-
-def _valid_lengths(batch: int, length: int = TXT, pad: int = 2) -> list[int]:
-    """Row 1 (when there is one) has ``pad`` padded tokens, the other rows none."""
-    return [length - pad if i == 1 else length for i in range(batch)]
-
-
-def _right_pad_mask(batch: int, length: int = TXT, pad: int = 2, dtype=torch.long) -> torch.Tensor:
-    mask = torch.zeros(batch, length, dtype=torch.long)
-    for i, n in enumerate(_valid_lengths(batch, length, pad)):
-        mask[i, :n] = 1
-    return mask.to(dtype)
+def _diagonal_text_ids() -> torch.Tensor:
+    """(TXT, 3) float ids (0, i, i), as LongCat- and Ovis-Image pipelines build them for text."""
+    ids = torch.zeros(TXT, 3)
+    ids[:, 1] = ids[:, 2] = torch.arange(TXT)
+    return ids
 
 
 def _grid_ids(h: int, w: int, *, lead: float = 0.0, start: int = 0) -> torch.Tensor:
@@ -118,9 +110,7 @@ def _longcat_image(model, batch, g, dtype):
     # text (0, i, i); image (1, 512 + row, 512 + col) (start = tokenizer_max_length = 512)
     cfg = model.config
     h = w = 8
-    txt_ids = torch.zeros(TXT, 3)
-    txt_ids[:, 1] = torch.arange(TXT)
-    txt_ids[:, 2] = torch.arange(TXT)
+    txt_ids = _diagonal_text_ids()
     return dict(
         hidden_states=randn(g, batch, h * w, cfg.in_channels, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
@@ -143,9 +133,7 @@ def _ovis_image(model, batch, g, dtype):
     # dtype: text (0, i, i), image (0, row, col)
     cfg = model.config
     h = w = 8
-    txt_ids = torch.zeros(TXT, 3)
-    txt_ids[:, 1] = torch.arange(TXT)
-    txt_ids[:, 2] = torch.arange(TXT)
+    txt_ids = _diagonal_text_ids()
     return dict(
         hidden_states=randn(g, batch, h * w, cfg.in_channels, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
@@ -274,7 +262,7 @@ def _sana(model, batch, g, dtype):
     return dict(
         hidden_states=randn(g, batch, cfg.in_channels, 8, 8, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TXT, cfg.caption_channels, dtype=dtype),
-        encoder_attention_mask=_right_pad_mask(batch),
+        encoder_attention_mask=text_mask(batch),
         timestep=timesteps(g, batch) * cfg.timestep_scale,
     )
 
@@ -297,7 +285,7 @@ def _pixart_sigma(model, batch, g, dtype):
     return dict(
         hidden_states=randn(g, batch, cfg.in_channels, 16, 16, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TXT, cfg.caption_channels, dtype=dtype),
-        encoder_attention_mask=_right_pad_mask(batch),
+        encoder_attention_mask=text_mask(batch),
         timestep=timesteps(g, batch).long(),
         added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
@@ -320,7 +308,7 @@ def _lumina2(model, batch, g, dtype):
         hidden_states=randn(g, batch, cfg.in_channels, 16, 16, dtype=dtype),
         timestep=1.0 - timesteps(g, batch) / 1000.0,
         encoder_hidden_states=randn(g, batch, TXT, cfg.cap_feat_dim, dtype=dtype),
-        encoder_attention_mask=_right_pad_mask(batch),
+        encoder_attention_mask=text_mask(batch),
     )
 
 
@@ -351,7 +339,7 @@ def _hunyuan_image(model, batch, g, dtype):
         hidden_states=randn(g, batch, cfg.in_channels, 8, 8, dtype=dtype),
         timestep=t.to(dtype),
         encoder_hidden_states=randn(g, batch, TXT, cfg.text_embed_dim, dtype=dtype),
-        encoder_attention_mask=_right_pad_mask(batch),
+        encoder_attention_mask=text_mask(batch),
         timestep_r=(t * 0.75).to(dtype),
         encoder_hidden_states_2=glyph.to(dtype),
         encoder_attention_mask_2=glyph_mask,
@@ -374,7 +362,7 @@ def _qwen_image_21(model, batch, g, dtype):
     # img_mask: no image slots in the text, then one slot per 2x2 group of target latents (bool);
     # timestep t / 1000 in the latents' dtype
     cfg = model.config
-    mask = _right_pad_mask(batch)
+    mask = text_mask(batch)
     text = randn(g, batch, TXT, cfg.context_in_dim) * mask.unsqueeze(-1)
     h = w = 8
     img_mask = torch.cat([torch.zeros(batch, TXT, dtype=torch.bool),
@@ -447,9 +435,9 @@ def _hunyuan_dit(model, batch, g, dtype):
         hidden_states=randn(g, batch, cfg.in_channels, 16, 16, dtype=dtype),
         timestep=timesteps(g, batch).floor().to(dtype),
         encoder_hidden_states=randn(g, batch, cfg.text_len, cfg.cross_attention_dim, dtype=dtype),
-        text_embedding_mask=_right_pad_mask(batch, cfg.text_len),
+        text_embedding_mask=text_mask(batch, length=cfg.text_len),
         encoder_hidden_states_t5=randn(g, batch, cfg.text_len_t5, cfg.cross_attention_dim_t5, dtype=dtype),
-        text_embedding_mask_t5=_right_pad_mask(batch, cfg.text_len_t5, pad=1),
+        text_embedding_mask_t5=text_mask(batch, length=cfg.text_len_t5, pad=1),
         image_meta_size=torch.tensor([[1024, 1024, 128, 128, 0, 0]] * batch).to(dtype),
         style=torch.zeros(batch, dtype=torch.long),
         image_rotary_emb=rope,

@@ -9,24 +9,15 @@ import math
 
 import torch
 
-from exactdit.harness.minis import mini, randn, timesteps
+from exactdit.harness.minis import TEXT_LEN as TEXT, mini, randn, text_mask, timesteps
 
-FRAMES, HEIGHT, WIDTH, TEXT = 3, 8, 8, 7
-PAD = 2  # padded text tokens at the end of batch row 1
-
-
-def _text_mask(batch: int, dtype: torch.dtype = torch.bool, length: int = TEXT, pad: int = PAD) -> torch.Tensor:
-    """[batch, length] attention mask, 1 = token; row 1 (when there is one) ends in ``pad`` padding tokens."""
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    if batch > 1:
-        mask[1, length - pad:] = False
-    return mask.to(dtype)
+FRAMES, HEIGHT, WIDTH = 3, 8, 8
 
 
 def _zero_padded_text(g, batch: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """UMT5 features as Wan-family pipelines pass them: real tokens then zeros (row 1 ends in PAD zeros)."""
+    """UMT5 features as Wan-family pipelines pass them: real tokens then zeros (row 1 ends in two)."""
     text = randn(g, batch, TEXT, dim, dtype=dtype)
-    return text * _text_mask(batch, dtype=dtype)[..., None]
+    return text * text_mask(batch, dtype)[..., None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,7 +38,7 @@ def _hunyuan_video(model, batch, g, dtype):
         hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
         timestep=timesteps(g, batch),
         encoder_hidden_states=randn(g, batch, TEXT, cfg.text_embed_dim, dtype=dtype),
-        encoder_attention_mask=_text_mask(batch, dtype),
+        encoder_attention_mask=text_mask(batch, dtype),
         pooled_projections=randn(g, batch, cfg.pooled_projection_dim, dtype=dtype),
         guidance=torch.full((batch,), 6.0, dtype=dtype) * 1000.0,
     )
@@ -80,7 +71,7 @@ def _hunyuan_video_15(model, batch, g, dtype):
         hidden_states=torch.cat([latents, cond, cond_mask], dim=1),
         timestep=timesteps(g, batch).to(dtype),
         encoder_hidden_states=randn(g, batch, TEXT, cfg.text_embed_dim, dtype=dtype),
-        encoder_attention_mask=_text_mask(batch, dtype),
+        encoder_attention_mask=text_mask(batch, dtype),
         encoder_hidden_states_2=randn(g, batch, _HV15_BYT5, cfg.text_embed_2_dim, dtype=dtype),
         encoder_attention_mask_2=byt5_mask,
         image_embeds=torch.zeros(batch, _HV15_IMAGE_TOKENS, cfg.image_embed_dim, dtype=dtype),
@@ -105,7 +96,7 @@ def _ltx_video(model, batch, g, dtype):
         hidden_states=randn(g, batch, FRAMES * HEIGHT * WIDTH, cfg.in_channels, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
         timestep=timesteps(g, batch),
-        encoder_attention_mask=_text_mask(batch),
+        encoder_attention_mask=text_mask(batch, torch.bool),
         num_frames=FRAMES, height=HEIGHT, width=WIDTH,
         rope_interpolation_scale=(8 / 25.0, 32, 32),
     )
@@ -138,7 +129,7 @@ def _ltx2_video(model, batch, g, dtype):
     # cross-attention widths, LTX-2.3 has no caption projection) with an int64 binary mask, the float32
     # timestep also passed as sigma, coordinates precomputed by the model's rope helpers, use_cross_timestep
     cfg = model.config
-    mask = _text_mask(batch, torch.int64)
+    mask = text_mask(batch, torch.int64)
     t = timesteps(g, batch)
     return dict(
         hidden_states=randn(g, batch, FRAMES * HEIGHT * WIDTH, cfg.in_channels, dtype=dtype),
@@ -219,7 +210,7 @@ def _mochi(model, batch, g, dtype):
         hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
         encoder_hidden_states=randn(g, batch, TEXT, cfg.text_embed_dim, dtype=dtype),
         timestep=timesteps(g, batch).to(dtype),
-        encoder_attention_mask=_text_mask(batch),
+        encoder_attention_mask=text_mask(batch, torch.bool),
     )
 
 
@@ -333,7 +324,7 @@ def _cosmos(model, batch, g, dtype):
     latent_channels = cfg.out_channels
     latents = randn(g, batch, latent_channels, 3, 8, 8, dtype=dtype)
     text = randn(g, batch, TEXT, cfg.text_embed_dim)
-    text = text * _text_mask(batch, dtype=torch.float32).unsqueeze(-1)
+    text = text * text_mask(batch, torch.float32).unsqueeze(-1)
     sigma = torch.exp(torch.rand(batch, generator=g) * (math.log(80.0) - math.log(0.002)) + math.log(0.002))
     kw = dict(
         timestep=(0.25 * torch.log(sigma)).to(dtype),

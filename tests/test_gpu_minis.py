@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from exactdit.harness import minis
+from exactdit.harness.models import run_forward
 from tests.engine_helpers import assert_patched_equals_eager, engine_eager_reasons
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +19,6 @@ pytestmark = pytest.mark.gpu
 def test_mini_model_equal_to_eager(name, dtype):
     tr = minis.build(name, dtype=dtype, device="cuda", seed=1)
     captured = minis.MINIS[name].eager is None
-    assert_patched_equals_eager(tr, minis.forward_inputs(name, tr, batch=2, seed=2, device="cuda"), minis.run, captured)
+    assert_patched_equals_eager(tr, minis.forward_inputs(name, tr, batch=2, seed=2, device="cuda"), run_forward, captured)
     reasons = engine_eager_reasons()
     assert bool(reasons) != captured, reasons

@@ -11,6 +11,7 @@ import torch
 import exactdit
 from exactdit.engine.capture import repeated_blocks
 from exactdit.harness import minis
+from exactdit.harness.models import run_forward
 from tests.engine_helpers import capture_graphs, engine_eager_reasons, rewrite_and_check
 
 NAMES = list(minis.MINIS)
@@ -40,10 +41,10 @@ def test_captured_blocks_equal_cuda_order(name):
 def test_patch_captures_every_block(name):
     tr = minis.build(name, dtype=torch.float32, seed=4)
     kw = minis.forward_inputs(name, tr, batch=2, seed=5)
-    ref = minis.run(tr, kw)
+    ref = run_forward(tr, kw)
     summary = exactdit.patch(tr)
     try:
-        out = minis.run(tr, kw)
+        out = run_forward(tr, kw)
     finally:
         exactdit.unpatch(tr)
     assert summary["patched"] and set(summary["modules"]) >= set(repeated_blocks(tr))

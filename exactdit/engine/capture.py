@@ -26,10 +26,10 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
         if not isinstance(m, torch.nn.ModuleList) or len(m) < 2 or any(name.startswith(p) for p in inside):
             continue
         classes = {type(c) for c in m}
-        if len(classes) == 1 and not next(iter(classes)).__module__.startswith("torch.nn"):
-            cls = next(iter(classes)).__name__
-            if cls not in found:
-                found.append(cls)
+        cls = classes.pop() if len(classes) == 1 else None
+        if cls is not None and not cls.__module__.startswith("torch.nn"):
+            if cls.__name__ not in found:
+                found.append(cls.__name__)
             inside.append(name + ".")
     return tuple(found)
 

@@ -18,7 +18,8 @@ import torch
 
 from exactdit.harness.models.core import build_random, frozen, thaw
 
-#: (model, batch, generator, dtype) -> forward kwargs (CPU tensors; ``return_dict`` is the caller's)
+#: (model, batch, generator, dtype) -> forward kwargs (CPU tensors; ``return_dict`` is the caller's:
+#: :func:`exactdit.harness.models.run_forward` runs one)
 InputsFn = Callable[[torch.nn.Module, int, torch.Generator, torch.dtype], dict]
 
 
@@ -81,12 +82,6 @@ def _to(value, device):
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
     return value
-
-
-def run(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """One forward; its prediction (the first output: some classes return a bare tensor)."""
-    out = model(**inputs, return_dict=False)
-    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -9,11 +9,23 @@ import torch
 
 from exactdit.harness.minis import TEXT_LEN as TXT, mini, randn, text_mask, timesteps
 
+
 def _diagonal_text_ids() -> torch.Tensor:
     """(TXT, 3) float ids (0, i, i), as LongCat- and Ovis-Image pipelines build them for text."""
     ids = torch.zeros(TXT, 3)
     ids[:, 1] = ids[:, 2] = torch.arange(TXT)
     return ids
+
+
+def _packed_latents(model, batch: int, g: torch.Generator, dtype: torch.dtype, **ids) -> dict:
+    """Flux-style inputs: 8x8 packed latents, text states, timestep in the latents' dtype / 1000, ``ids``."""
+    cfg = model.config
+    return dict(
+        hidden_states=randn(g, batch, 8 * 8, cfg.in_channels, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
+        timestep=timesteps(g, batch).to(dtype) / 1000,
+        **ids,
+    )
 
 
 def _grid_ids(h: int, w: int, *, lead: float = 0.0, start: int = 0) -> torch.Tensor:
@@ -108,16 +120,7 @@ def _auraflow(model, batch, g, dtype):
 def _longcat_image(model, batch, g, dtype):
     # LongCatImagePipeline: packed latents, timestep in the latents' dtype / 1000, float32 2D ids:
     # text (0, i, i); image (1, 512 + row, 512 + col) (start = tokenizer_max_length = 512)
-    cfg = model.config
-    h = w = 8
-    txt_ids = _diagonal_text_ids()
-    return dict(
-        hidden_states=randn(g, batch, h * w, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
-        timestep=timesteps(g, batch).to(dtype) / 1000,
-        txt_ids=txt_ids,
-        img_ids=_grid_ids(h, w, lead=1.0, start=512),
-    )
+    return _packed_latents(model, batch, g, dtype, txt_ids=_diagonal_text_ids(), img_ids=_grid_ids(8, 8, lead=1.0, start=512))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,16 +134,7 @@ def _longcat_image(model, batch, g, dtype):
 def _ovis_image(model, batch, g, dtype):
     # OvisImagePipeline: packed latents, timestep in the latents' dtype / 1000, 2D ids in the model
     # dtype: text (0, i, i), image (0, row, col)
-    cfg = model.config
-    h = w = 8
-    txt_ids = _diagonal_text_ids()
-    return dict(
-        hidden_states=randn(g, batch, h * w, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
-        timestep=timesteps(g, batch).to(dtype) / 1000,
-        txt_ids=txt_ids.to(dtype),
-        img_ids=_grid_ids(h, w).to(dtype),
-    )
+    return _packed_latents(model, batch, g, dtype, txt_ids=_diagonal_text_ids().to(dtype), img_ids=_grid_ids(8, 8).to(dtype))
 
 
 # --------------------------------------------------------------------------------------------------

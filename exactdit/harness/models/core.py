@@ -469,8 +469,9 @@ def forward_inputs(
 @torch.no_grad()
 def run_forward(transformer, inputs: Mapping[str, Any]):
     """One transformer forward on :func:`forward_inputs`; returns the prediction (a tensor, or the list
-    of per-image tensors Z-Image returns)."""
-    return transformer(**inputs, return_dict=False)[0]
+    of per-image tensors Z-Image returns; Kandinsky 5 returns a bare tensor, not a tuple)."""
+    out = transformer(**inputs, return_dict=False)
+    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def pipeline_call_kwargs(

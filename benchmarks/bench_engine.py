@@ -2,8 +2,10 @@
 
     python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
         [--mirror] [--compile] [--cuda-graphs] [--repeat 10]
+    python3 benchmarks/bench_engine.py --mini sd3 --compile    # a mini's released model (SD3.5 Large) at 1024x1024
 
-Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``)
+Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``,
+or ``--mini``: a class of ``exactdit.harness.minis`` at its released model's config and typical size)
 on the GPU, times eager (CUDA-event median of ``--repeat`` forwards after warm-up), then
 ``exactdit.patch`` (first call = capture + kernel compilation, wall clock), checks the output with
 ``torch.equal`` against eager and times it the same way. ``--cuda-graphs``: also
@@ -24,7 +26,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.common import add_model_args, append_results, environment, model_and_inputs, outputs_equal, write_json  # noqa: E402,E501
+from benchmarks.common import (add_model_args, append_results, environment, model_and_inputs, model_label,  # noqa: E402
+                               outputs_equal, write_json)
 from exactdit.engine import coverage  # noqa: E402
 
 
@@ -89,14 +92,14 @@ def main() -> None:
     env = environment()
     t = time.perf_counter()
     tr, kw = model_and_inputs(args)
-    print(f"built {args.model}/{args.config} in {time.perf_counter() - t:.1f} s", flush=True)
+    model, shape = model_label(args)
+    print(f"built {model} in {time.perf_counter() - t:.1f} s", flush=True)
     if args.group_offload:
         from diffusers.hooks import apply_group_offloading
 
         apply_group_offloading(tr.to("cpu"), onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
                                offload_type="block_level", num_blocks_per_group=1, use_stream=True)
     offload = " (group offload)" if args.group_offload else ""
-    shape = f"{args.model}:{args.config} {args.height}x{args.width} B={args.batch}"
     rows = []
     eager_ms, ref = forward_ms(tr, kw, args.repeat)
     rows.append(dict(path="eager", ms=eager_ms, equal=True))
@@ -150,16 +153,15 @@ def main() -> None:
         rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
     for r in rows:
-        r.update(model=shape, ratio_to_eager=eager_ms / r["ms"], path=r["path"] + offload, **env)
+        r.update(model=f"{model} {shape}", ratio_to_eager=eager_ms / r["ms"], path=r["path"] + offload, **env)
     print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")
-    append_results([dict(model_or_op=f"{args.model} transformer forward ({args.config})",
-                         shape=f"{args.height}x{args.width}" + (f"x{args.frames}" if args.frames else "") + f" B={args.batch}", dtype="bf16", path=r["path"], ms=r["ms"],
+    append_results([dict(model_or_op=model, shape=shape, dtype="bf16", path=r["path"], ms=r["ms"],
                          ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
                          **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib")
                             if k in r}) for r in rows], "benchmarks/bench_engine.py")
-    write_json(f"bench_engine_{args.model}_{args.config}_b{args.batch}.json",
+    write_json(f"bench_engine_{args.mini or args.model}_{'production' if args.mini else args.config}_b{args.batch}.json",
                {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})
 
 

@@ -37,16 +37,34 @@ def add_model_args(ap) -> None:
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--frames", type=int, default=None)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--mini", default=None,
+                    help="instead of --model: a mini model of exactdit.harness.minis with a production config, "
+                         "run as its released model at its typical size (sd3, flux2, hunyuan-video, ...)")
 
 
 def model_and_inputs(args, dtype=torch.bfloat16, device="cuda"):
     """(transformer, kwargs of one forward) for :func:`add_model_args`'s arguments."""
-    from exactdit.harness import models
+    from exactdit.harness import minis, models
 
+    if args.mini:
+        tr = minis.build(args.mini, dtype=dtype, device=device, production=True)
+        return tr, minis.forward_inputs(args.mini, tr, batch=args.batch, device=device,
+                                        grid=minis.production_of(args.mini).grid)
     tr = models.build_transformer(args.model, args.config, dtype=dtype, device=device)
     kw = models.forward_inputs(args.model, tr, height=args.height, width=args.width, num_frames=args.frames,
                                batch=args.batch)
     return tr, kw
+
+
+def model_label(args) -> tuple[str, str]:
+    """(model, shape) of :func:`add_model_args`'s arguments, as the results file names them."""
+    if args.mini:
+        from exactdit.harness import minis
+
+        production = minis.production_of(args.mini)
+        return f"{production.model} transformer forward", f"{production.pixels} B={args.batch}"
+    frames = f"x{args.frames}" if args.frames else ""
+    return f"{args.model} transformer forward ({args.config})", f"{args.height}x{args.width}{frames} B={args.batch}"
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

@@ -14,6 +14,8 @@
 #   engine-chroma    diffusers' Chroma test configs
 #   minis-tests      pytest -m gpu tests/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
 #                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
+#   rules-tests      pytest -m gpu tests/test_gpu_engine_rules.py: each pointwise rule against the eager CUDA kernel,
+#                    special values (+-0, +-inf, NaN, subnormals), bf16 / fp16 / fp32
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 #   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
@@ -24,6 +26,9 @@
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
+#   minis-bench      the released models of minis with a production config (SD3.5 Large 1024^2, FLUX.2-dev 1024^2,
+#                    HunyuanVideo 480x848x33, LTX-Video 704x1280x81, CogVideoX-5B 480x720x49), with regional
+#                    compile; MINIS="sd3 ..." picks some
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -71,6 +76,9 @@ for stage in "$@"; do
     minis-tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
+    rules-tests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -rf 2>&1 | \
+        grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)
       ERNIE_EQ_BUDGET_S=30 timeout 75 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | \
         grep -E "md5|EQUAL|DIFFERENT|skipped" | tail -12 ;;
@@ -109,6 +117,11 @@ for stage in "$@"; do
                   "--model wan --height 480 --width 832 --frames 33"; do
         timeout 280 python3 benchmarks/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs|built" | tee -a "$OUT/models_bench.log"
+      done ;;
+    minis-bench)
+      for mini in ${MINIS:-sd3 ltx-video cogvideox hunyuan-video flux2}; do
+        timeout 240 python3 benchmarks/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
+          grep -E "^\||DISABLED|EAGER|built" | tee -a "$OUT/minis_bench.log"
       done ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \

@@ -169,6 +169,11 @@ if INTERPRET:
         """Interpreter stand-in for ``rsqrt.approx.f32``: ``1 / sqrt(x)``, each op rounded to fp32."""
         return tl.div_rn(1.0, tl.sqrt_rn(x))
 
+    @triton.jit
+    def neg_f32(x):
+        """fp32 ``-x``: the sign flipped (numpy's negative)."""
+        return -x
+
 else:
     # PTX ``.rn`` arithmetic is never contracted into FMA by ptxas, whatever the launch options.
 
@@ -200,6 +205,12 @@ else:
         return tl.inline_asm_elementwise(
             "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
         )
+
+    @triton.jit
+    def neg_f32(x):
+        """fp32 ``-x`` as ATen's ``-a`` compiles (PTX ``neg.f32``): ``-(+0)`` is -0. Triton before
+        3.7 lowers unary minus to ``0 - x``, which gives +0 there."""
+        return tl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

@@ -53,7 +53,17 @@ def _mul(a, b):
     return torch.mul(a, b)
 
 
+def _addcmul(a, b, c, value=1):
+    """CUDA's addcmul in opmath: ``fma(b, c, a)`` for value 1, else ``fma(value, fl(b * c), a)``."""
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
+    a, b, c = a.float(), b.float(), c.float()
+    value = torch.tensor(float(value), dtype=torch.float32)
+    out = fma_f32(b, c, a) if float(value) == 1.0 else fma_f32(value, b * c, a)
+    return out.to(dtype)
+
+
 CUDA_ORDER = {
+    aten.addcmul.default: _addcmul,
     aten.mul.Tensor: _mul,
     aten.div.Tensor: _div,
     aten.mean.dim: _mean,
@@ -174,3 +184,89 @@ def assert_patched_equals_eager(tr, kw, forward, some_fused: bool = True) -> Non
     report = exactdit.report(show=False)
     assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
     assert sum(v["fused"] for v in report.values()) > 0 or not some_fused
+
+
+def rewrite_and_check_against_eager(gm, inputs, label: str) -> None:
+    """Rewrite ``gm`` and hold two runs (the gate verifying its regions, then verified kernels)
+    to the graph run op by op before the rewrite, bit for bit, with no region disabled: on the
+    GPU this is each rule against the live eager CUDA kernels."""
+    import exactdit
+
+    with torch.no_grad():
+        ref = gm(*inputs)
+        report = rewrite(gm, label)
+        runs = [gm(*inputs), gm(*inputs)]
+    assert report.regions and not report.failed, report.lines()
+    for out in runs:
+        for o, r in zip(out, ref):
+            assert_bits_equal(o, r, label)
+    stats = exactdit.report(show=False)
+    for name in report.regions:
+        assert stats[name]["fused"] > 0 and not stats[name]["disabled"], (name, stats[name])
+
+
+def with_special_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its first elements replaced by +-0, +-inf, NaN, the smallest subnormal and the
+    largest finite values of its dtype (where rules most often part from eager)."""
+    info = torch.finfo(t.dtype)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.smallest_normal * 2**-3,
+                            -info.smallest_normal, info.max, -info.max, 1.0, -1.0], dtype=t.dtype)
+    t = t.clone()
+    n = min(t.numel(), special.numel())
+    t.view(-1)[:n] = special[:n].to(t.device)
+    return t
+
+
+# --- small ATen graphs, one op family each: built by ``GraphBuilder`` from (x, u, g), x and u of
+# one shape [B, S, D], g [B, D] (a per-row modulation vector) ----------------------------------------
+
+
+def rope_graph(b, x, table):
+    """Flux's ``apply_rotary_emb(use_real=True, unbind_dim=-1)`` with ``table`` as cos and sin."""
+    shape = list(x.meta["val"].shape)
+    pairs = b.op(aten.view.default, x, shape[:-1] + [-1, 2])
+    real, imag = b.op(aten.unbind.int, pairs, -1)
+    rotated = b.op(aten.view.default, b.op(aten.stack.default, [b.op(aten.neg.default, imag), real], -1), shape)
+    f32 = lambda t: b.op(aten._to_copy.default, t, dtype=torch.float32)  # noqa: E731
+    t32 = f32(table)
+    out = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, f32(x), t32), b.op(aten.mul.Tensor, f32(rotated), t32))
+    return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
+
+
+def _f32(b, t):
+    return b.op(aten._to_copy.default, t, dtype=torch.float32)
+
+
+def _split_rotation(b, x, u, g):
+    """LTX-2's split RoPE in fp32: ``out = x * cos``, then ``out.addcmul_(-sin, partner)`` (``g``
+    standing in for cos and sin)."""
+    cos = _f32(b, b.op(aten.unsqueeze.default, g, 1))
+    out = b.op(aten.mul.Tensor, _f32(b, x), cos)
+    return b.op(aten._to_copy.default, b.op(aten.addcmul.default, out, b.op(aten.neg.default, cos), _f32(b, u)),
+                dtype=x.meta["val"].dtype)
+
+
+def _addcmul_modulate(b, x, u, g, **value):
+    """``torch.addcmul(u, x, 1 + g)``: a modulation written as one addcmul."""
+    return b.op(aten.addcmul.default, u, x, b.op(aten.add.Tensor, b.op(aten.unsqueeze.default, g, 1), 1), **value)
+
+
+POINTWISE_GRAPHS = {
+    "gated residual": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.unsqueeze.default, g, 1), u))],
+    "modulate": lambda b, x, u, g: [b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, b.op(aten.add.Tensor, b.op(aten.unsqueeze.default, g, 1), 1)), u)],
+    "fp32 chain": lambda b, x, u, g: [b.op(aten._to_copy.default, b.op(aten.add.Tensor, b.op(aten.mul.Tensor, _f32(b, x), 0.7071067811865476), _f32(b, u)), dtype=x.meta["val"].dtype)],
+    "div sub neg": lambda b, x, u, g: [b.op(aten.neg.default, b.op(aten.sub.Tensor, b.op(aten.div.Tensor, x, 3.0), b.op(aten.div.Tensor, u, x)))],
+    "clamp pow": lambda b, x, u, g: [b.op(aten.clamp.default, b.op(aten.mul.Tensor, b.op(aten.pow.Tensor_Scalar, x, 2), u), -2.0, 2.0)],
+    "relu": lambda b, x, u, g: [b.op(aten.mul.Tensor, b.op(aten.relu.default, x), u)],
+    "addcmul": lambda b, x, u, g: [_addcmul_modulate(b, x, u, g)],
+    "addcmul with a value": lambda b, x, u, g: [_addcmul_modulate(b, x, u, g, value=-0.3)],
+    "fp32 split rotation": lambda b, x, u, g: [_split_rotation(b, x, u, g)],
+    "gelu tanh times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, u, b.op(aten.gelu.default, x, approximate="tanh"))],
+    "silu times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, b.op(aten.silu.default, x), u)],
+    "tanh gate": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.tanh.default, b.op(aten.unsqueeze.default, g, 1)), u))],
+    "interleaved rope": lambda b, x, u, g: [rope_graph(b, x, u)],
+    "cat on the last dim": lambda b, x, u, g: [b.op(aten.cat.default, [x, b.op(aten.gelu.default, u, approximate="tanh")], 2)],
+}
+
+#: graphs whose transcendental functions are tables of bf16 / fp16 values (fp32 stays with ATen)
+HALF_ONLY_GRAPHS = ("gelu tanh times up", "silu times up", "tanh gate", "cat on the last dim")

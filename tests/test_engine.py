@@ -19,8 +19,8 @@ from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
-from tests.engine_helpers import (GraphBuilder, capture_graphs, engine_eager_reasons,
-                                  rewrite_and_check, trusted)
+from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
+                                  rewrite_and_check, rope_graph, trusted)
 from tests.helpers import assert_bits_equal, rand
 
 aten = torch.ops.aten
@@ -82,44 +82,18 @@ def _assert_partners_move_between_lanes(sources, move="rows_k.pair_"):
     assert not any("tl.gather" in s for s in sources), sources
 
 
-OPS = {
-    "gated residual": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.unsqueeze.default, g, 1), u))],
-    "modulate": lambda b, x, u, g: [b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, b.op(aten.add.Tensor, b.op(aten.unsqueeze.default, g, 1), 1)), u)],
-    "fp32 chain": lambda b, x, u, g: [b.op(aten._to_copy.default, b.op(aten.add.Tensor, b.op(aten.mul.Tensor, b.op(aten._to_copy.default, x, dtype=torch.float32), 0.7071067811865476), b.op(aten._to_copy.default, u, dtype=torch.float32)), dtype=x.meta["val"].dtype)],
-    "div sub neg": lambda b, x, u, g: [b.op(aten.neg.default, b.op(aten.sub.Tensor, b.op(aten.div.Tensor, x, 3.0), b.op(aten.div.Tensor, u, x)))],
-    "clamp pow": lambda b, x, u, g: [b.op(aten.clamp.default, b.op(aten.mul.Tensor, b.op(aten.pow.Tensor_Scalar, x, 2), u), -2.0, 2.0)],
-    "gelu tanh times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, u, b.op(aten.gelu.default, x, approximate="tanh"))],
-    "silu times up": lambda b, x, u, g: [b.op(aten.mul.Tensor, b.op(aten.silu.default, x), u)],
-    "tanh gate": lambda b, x, u, g: [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(aten.tanh.default, b.op(aten.unsqueeze.default, g, 1)), u))],
-    "interleaved rope": lambda b, x, u, g: [_rope(b, x, u)],
-    "cat on the last dim": lambda b, x, u, g: [b.op(aten.cat.default, [x, b.op(aten.gelu.default, u, approximate="tanh")], 2)],
-}
-
-
-def _rope(b, x, table):
-    """Flux's ``apply_rotary_emb(use_real=True, unbind_dim=-1)`` with ``table`` as cos and sin."""
-    shape = list(x.meta["val"].shape)
-    pairs = b.op(aten.view.default, x, shape[:-1] + [-1, 2])
-    real, imag = b.op(aten.unbind.int, pairs, -1)
-    rotated = b.op(aten.view.default, b.op(aten.stack.default, [b.op(aten.neg.default, imag), real], -1), shape)
-    f32 = lambda t: b.op(aten._to_copy.default, t, dtype=torch.float32)  # noqa: E731
-    t32 = f32(table)
-    out = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, f32(x), t32), b.op(aten.mul.Tensor, f32(rotated), t32))
-    return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(2, 7, 96), (1, 1, 64), (3, 33, 130)], ids=["2x7x96", "one row", "odd"])
-@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("name", list(POINTWISE_GRAPHS))
 def test_pointwise_regions_equal_cpu_eager(name, shape, dtype):
-    if name in ("gelu tanh times up", "silu times up", "tanh gate", "cat on the last dim") and dtype == torch.float32:
+    if name in HALF_ONLY_GRAPHS and dtype == torch.float32:
         pytest.skip("fp32 transcendental functions stay with ATen")
     g = torch.Generator().manual_seed(hash((name, shape)) % 2**31)
     x, u = rand(shape, dtype, "cpu", g), rand(shape, dtype, "cpu", g)
     mod = rand((shape[0], shape[-1]), dtype, "cpu", g)
     if name == "clamp pow":
         x = x.clamp(-3, 3)
-    _rewritten_run(OPS[name], [x, u, mod])
+    _rewritten_run(POINTWISE_GRAPHS[name], [x, u, mod])
 
 
 def test_permuted_and_strided_inputs():
@@ -127,7 +101,7 @@ def test_permuted_and_strided_inputs():
     x = rand((9, 2, 64), torch.bfloat16, "cpu", g).permute(1, 0, 2)  # [S, B, D] seen as [B, S, D]
     u = rand((2, 18, 64), torch.bfloat16, "cpu", g)[:, ::2]
     mod = rand((2, 64), torch.bfloat16, "cpu", g)
-    _rewritten_run(OPS["gated residual"], [x, u, mod])
+    _rewritten_run(POINTWISE_GRAPHS["gated residual"], [x, u, mod])
 
 
 # --- reduction templates against CUDA's orders ----------------------------------------------------------
@@ -142,9 +116,9 @@ def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
     w, bias = rand((width,), torch.bfloat16, "cpu", g), rand((width,), torch.bfloat16, "cpu", g)
 
     def build(b, x, u, mod, w, bias):
-        h = OPS["gated residual"](b, x, u, mod)[0]
+        h = POINTWISE_GRAPHS["gated residual"](b, x, u, mod)[0]
         ln = b.op(aten.native_layer_norm.default, h, [width], w if affine else None, bias if affine else None, 1e-6)[0]
-        return [h, OPS["modulate"](b, ln, x, mod)[0]]
+        return [h, POINTWISE_GRAPHS["modulate"](b, ln, x, mod)[0]]
 
     report = _rewritten_run(build, [x, u, mod, w, bias])
     assert any("layer_norm" in d for d, _ in report.regions.values())
@@ -163,7 +137,7 @@ def test_fused_rms_norm_cat_and_rope(head_dim):
     def build(b, txt, img, w1, w2, table):
         a = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, txt, [1, 3, heads, head_dim]), [head_dim], w1, 1e-6)[0]
         c = b.op(aten._fused_rms_norm.default, b.op(aten.view.default, img, [1, 5, heads, head_dim]), [head_dim], w2, 1e-6)[0]
-        return [_rope(b, b.op(aten.cat.default, [a, c], 1), table)]
+        return [rope_graph(b, b.op(aten.cat.default, [a, c], 1), table)]
 
     sources = []
     report = _rewritten_run(build, [txt, img, w1, w2, table], sources)
@@ -321,7 +295,7 @@ def interpreted_launchers(monkeypatch):
     return launched
 
 
-def _complex_rope(b, x, freqs):
+def _complexrope_graph(b, x, freqs):
     """Qwen-Image's RoPE: ``view_as_real(view_as_complex(x.float()) * freqs).type_as(x)``."""
     shape = list(x.meta["val"].shape)
     pairs = b.op(aten.view.default, b.op(aten._to_copy.default, x, dtype=torch.float32), shape[:-1] + [-1, 2])
@@ -346,7 +320,7 @@ def test_complex_rope_reads_each_frequency_pair_with_one_load(head_dim):
         var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
         h = b.op(aten.mul.Tensor, x32, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-5)))
         normed = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)
-        return [_complex_rope(b, normed, freqs)]
+        return [_complexrope_graph(b, normed, freqs)]
 
     b = GraphBuilder()
     gm = b.module(*build(b, *[b.input(t) for t in (x, w, freqs)]))
@@ -408,7 +382,7 @@ def test_launch_plans_with_tables_complex_inputs_and_several_outputs(both_launch
 
     def build(b, x, u, freqs):
         h = b.op(aten.mul.Tensor, u, b.op(aten.gelu.default, x, approximate="tanh"))  # a table
-        q = _complex_rope(b, b.op(aten.view.default, x, [2, 5, 2, 32]), freqs)  # a complex input
+        q = _complexrope_graph(b, b.op(aten.view.default, x, [2, 5, 2, 32]), freqs)  # a complex input
         return [h, b.op(aten.add.Tensor, h, x), q]  # several outputs
 
     b = GraphBuilder()
@@ -423,7 +397,7 @@ def test_a_verified_region_layout_is_served_by_its_launch_plan(interpreted_launc
     b = GraphBuilder()
     g = torch.Generator().manual_seed(1)
     inputs = [rand((3, 40), torch.bfloat16, "cpu", g), rand((3, 40), torch.bfloat16, "cpu", g), rand((3,), torch.bfloat16, "cpu", g)]
-    gm = b.module(*OPS["gated residual"](b, *[b.input(t) for t in inputs]))
+    gm = b.module(*POINTWISE_GRAPHS["gated residual"](b, *[b.input(t) for t in inputs]))
     with torch.no_grad():
         ref = gm(*inputs)
         rewrite(gm, "plan")
@@ -460,7 +434,7 @@ def test_a_wrong_region_is_disabled_and_eager_returned(monkeypatch):
               rand((2, 64), torch.bfloat16, "cpu", g)]
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
-    gm = b.module(*OPS["gated residual"](b, *nodes))
+    gm = b.module(*POINTWISE_GRAPHS["gated residual"](b, *nodes))
     ref = gm(*inputs)
     rewrite(gm, "wrong")
     with pytest.warns(gate.ExactditMismatchWarning):

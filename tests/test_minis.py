@@ -56,6 +56,36 @@ def test_patch_captures_every_block(name):
     assert torch.equal(out, ref)
 
 
+PRODUCTION = [name for name, m in minis.MINIS.items() if m.production is not None]
+#: parameters of the released models (billions, as their model cards state them)
+RELEASED_PARAMS = {"flux2": 32.2, "sd3": 8.1, "hunyuan-video": 12.8, "ltx-video": 1.9, "cogvideox": 5.6}
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_production_config_is_the_released_model(name):
+    from exactdit.harness.models.core import thaw
+
+    spec = minis.MINIS[name]
+    with torch.device("meta"):
+        tr = spec.transformer_cls(**thaw(spec.production.config))
+    assert round(sum(p.numel() for p in tr.parameters()) / 1e9, 1) == RELEASED_PARAMS[name]
+    assert set(repeated_blocks(tr)) == set(repeated_blocks(minis.build(name)))
+
+
+@pytest.mark.parametrize("name", PRODUCTION)
+def test_inputs_follow_the_grid(name):
+    """A mini's inputs at another grid give an output that many more latent positions."""
+    spec = minis.MINIS[name]
+    tr = minis.build(name, dtype=torch.float32, seed=4)
+    small = minis.Grid(1, 4, 6, 5) if not spec.video else minis.Grid(2, 4, 6, 5)
+    large = minis.Grid(small.frames * 2 if spec.video else 1, 8, 10, 9)
+    outs = [run_forward(tr, minis.forward_inputs(name, tr, batch=1, seed=5, grid=g)) for g in (small, large)]
+    positions = [g.frames * g.height * g.width for g in (small, large)]
+    assert outs[1].numel() * positions[0] == outs[0].numel() * positions[1]
+    with pytest.raises(ValueError, match="no production config"):
+        minis.forward_inputs("pixart-sigma", tr, grid=small)
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

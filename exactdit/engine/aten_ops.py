@@ -186,7 +186,7 @@ def _complex_mul(em: Emitter, a: Val, b: Val) -> Val:
     fusing the first product of each part): ``re = fma(ar, br, -fl(ai * bi))``,
     ``im = fma(ar, bi, fl(ai * br))``."""
     kind = max(a.kind, b.kind)
-    re = em.code.let(f"tl.fma({a.name}, {b.name}, -mul_rn({a.imag}, {b.imag}))", "re")
+    re = em.code.let(f"tl.fma({a.name}, {b.name}, neg_f32(mul_rn({a.imag}, {b.imag})))", "re")
     im = em.code.let(f"tl.fma({a.name}, {b.imag}, mul_rn({a.imag}, {b.name}))", "im")
     return Val(re, COMPLEX, kind, im)
 
@@ -221,6 +221,42 @@ for _op in ("add", "sub", "mul", "div"):
     _register([getattr(aten, _op).Tensor, getattr(aten, _op).Scalar], _binary(_op))
 
 
+def _addcmul_value(node: fx.Node) -> float:
+    return _kwarg(node, "value", 3, 1)
+
+
+def _addcmul_check(node):
+    value = _addcmul_value(node)
+    if isinstance(value, (fx.Node, bool)) or not isinstance(value, (int, float)):
+        return f"addcmul with value {value!r}"
+    if not all(isinstance(a, fx.Node) for a in node.args[:3]):
+        return "addcmul with a Python operand"
+    return _tensor_args_float(node) or _no_wider_operand(node)
+
+
+def _addcmul_emit(em, node, index):
+    # ATen's CUDA addcmul (DeviceAddCmulCdiv.cuh) in opmath: value 1 is fma(t1, t2, self), one
+    # rounding of the exact product's sum; any other value is fma(value, fl(t1 * t2), self)
+    a, b, c = (em.operand(node, arg, index) for arg in node.args[:3])
+    wa, wb, wc = em.widen(a), em.widen(b), em.widen(c)
+    value = _addcmul_value(node)
+    if f32(value) == 1.0:
+        code = f"tl.fma({wb}, {wc}, {wa})"
+    else:
+        code = f"tl.fma({em.constant(value, torch.float32).name}, mul_rn({wb}, {wc}), {wa})"
+    return em.rounded(code, dtype_of(node), max(a.kind, b.kind, c.kind))
+
+
+def _addcmul_cuda_only(node) -> bool:
+    # ATen's CPU kernel multiplies and adds with two roundings; with value 1 and half-precision
+    # operands the fp32 product is exact, so both kernels round once
+    half = all(a.meta["val"].dtype in (torch.bfloat16, torch.float16) for a in node.args[:3])
+    return not (half and f32(_addcmul_value(node)) == 1.0)
+
+
+_register([aten.addcmul.default], Rule(POINTWISE, _addcmul_emit, _addcmul_check, _addcmul_cuda_only))
+
+
 # --- unary exact ops ---------------------------------------------------------------------------
 
 
@@ -232,7 +268,7 @@ def _unary(fp32_expr: Callable[[str], str]) -> Rule:
     return Rule(POINTWISE, emit, lambda node: _tensor_args_float(node) or _no_wider_operand(node))
 
 
-_register([aten.neg.default], _unary(lambda x: f"-{x}"))
+_register([aten.neg.default], _unary(lambda x: f"neg_f32({x})"))  # not Triton's `-x`: 0 - x before 3.7
 _register([aten.abs.default], _unary(lambda x: f"tl.abs({x})"))
 _register([aten.rsqrt.default], dataclasses.replace(_unary(lambda x: f"rsqrt_approx({x})"), cuda_only=lambda n: True))
 _register([aten.sqrt.default], _unary(lambda x: f"tl.sqrt_rn({x})"))
@@ -255,38 +291,50 @@ def _pow_emit(em, node, index):
 _register([aten.pow.Tensor_Scalar], Rule(POINTWISE, _pow_emit, _pow_check))
 
 
-def _clamp_check(node):
-    bounds = [_kwarg(node, "min", 1), _kwarg(node, "max", 2)]
+def _clamp_bounds(node) -> list:
+    """[min, max] of a clamp-family node (None: unbounded); ``relu`` is ATen's ``clamp_min(x, 0)``."""
+    if node.target is aten.relu.default:
+        return [0.0, None]
     if node.target is aten.clamp_min.default:
-        bounds = [node.args[1], None]
-    elif node.target is aten.clamp_max.default:
-        bounds = [None, node.args[1]]
+        return [node.args[1], None]
+    if node.target is aten.clamp_max.default:
+        return [None, node.args[1]]
+    return [_kwarg(node, "min", 1), _kwarg(node, "max", 2)]
+
+
+def _clamp_check(node):
+    bounds = _clamp_bounds(node)
     if any(b is not None and (isinstance(b, (fx.Node, bool)) or not isinstance(b, (int, float))) for b in bounds):
         return "clamp with tensor bounds"
     return _tensor_args_float(node)
 
 
 def _clamp_emit(em, node, index):
-    lo, hi = _kwarg(node, "min", 1), _kwarg(node, "max", 2)
-    if node.target is aten.clamp_min.default:
-        lo, hi = node.args[1], None
-    elif node.target is aten.clamp_max.default:
-        lo, hi = None, node.args[1]
+    lo, hi = _clamp_bounds(node)
     x = em.value(node.args[0], index)
     v = em.widen(x)
     y = v
-    # ATen's clamp_scalar: NaN stays NaN; r = (v < lo) ? lo : v; r = (hi < r) ? hi : r, the bounds
-    # in opmath (selects, not min/max: -0 and +0 keep the input's sign as ATen keeps it)
+    # ATen's clamp kernels: NaN stays NaN, else min(max(v, lo), hi) in opmath with CUDA's
+    # fmaxf / fminf, which order -0 below +0 (relu(-0.0) is +0.0, measured): written as selects,
+    # a bound of the other zero's sign wins a tie
     if lo is not None:
         k = em.constant(float(lo), torch.float32).name
-        y = em.code.let(f"tl.where({y} < {k}, {k}, {y})", "c")
+        tie = "<=" if float(lo) == 0 and math.copysign(1.0, float(lo)) > 0 else "<"
+        y = em.code.let(f"tl.where({y} {tie} {k}, {k}, {y})", "c")
     if hi is not None:
         k = em.constant(float(hi), torch.float32).name
-        y = em.code.let(f"tl.where({k} < {y}, {k}, {y})", "c")
+        tie = "<=" if float(hi) == 0 and math.copysign(1.0, float(hi)) < 0 else "<"
+        y = em.code.let(f"tl.where({k} {tie} {y}, {k}, {y})", "c")
     return em.rounded(f"tl.where({v} != {v}, {v}, {y})", dtype_of(node), x.kind)
 
 
-_register([aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default], Rule(POINTWISE, _clamp_emit, _clamp_check))
+def _clamp_at_zero(node) -> bool:
+    # the CPU kernels select (relu(-0.0) is -0.0 there), CUDA's order the zeros
+    return any(b is not None and float(b) == 0 for b in _clamp_bounds(node))
+
+
+_register([aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.relu.default],
+          Rule(POINTWISE, _clamp_emit, _clamp_check, _clamp_at_zero))
 
 
 # --- dtype conversions and copies -----------------------------------------------------------------

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from exactdit.numerics import (
-    add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, round_to, rsqrt_approx, sub_rn, widen, widen_bf16,
+    add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, neg_f32, round_to, rsqrt_approx, sub_rn, widen,
+    widen_bf16,
 )
 from exactdit.engine.tables import table_lookup
 from exactdit.kernels import layer_norm as ln_k, rms_norm as rms_k, rope as rope_k, rows as rows_k

@@ -10,6 +10,7 @@ Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -19,8 +20,31 @@ import torch
 from exactdit.harness.models.core import build_random, frozen, thaw
 
 #: (model, batch, generator, dtype) -> forward kwargs (CPU tensors; ``return_dict`` is the caller's:
-#: :func:`exactdit.harness.models.run_forward` runs one)
-InputsFn = Callable[[torch.nn.Module, int, torch.Generator, torch.dtype], dict]
+#: :func:`exactdit.harness.models.run_forward` runs one). Minis with a production config also take
+#: ``grid=`` (a :class:`Grid`; None: the tiny default).
+InputsFn = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One forward's size in the transformer's input units: latent frames, latent height and width
+    (before the model's patching) and text tokens."""
+
+    frames: int
+    height: int
+    width: int
+    text: int
+
+
+@dataclass(frozen=True, eq=False)
+class Production:
+    """A released model of a mini's class: its transformer config, a typical forward's grid and
+    what that grid is in pixels (for benchmarks; weights stay seeded random)."""
+
+    model: str
+    config: Mapping[str, Any]
+    grid: Grid
+    pixels: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +58,7 @@ class Mini:
     inputs: InputsFn
     video: bool = False
     eager: str | None = None
+    production: Production | None = None
 
     @property
     def transformer_cls(self) -> type:
@@ -46,31 +71,48 @@ _MINIS: dict[str, Mini] = {}
 MINIS: Mapping[str, Mini] = MappingProxyType(_MINIS)
 
 
-def mini(name: str, cls: str, config: Mapping[str, Any], *, video: bool = False, eager: str | None = None):
+def mini(name: str, cls: str, config: Mapping[str, Any], *, video: bool = False, eager: str | None = None,
+         production: Production | None = None):
     """Register the decorated inputs function as mini model ``name``."""
 
     def register(fn: InputsFn) -> InputsFn:
         if name in _MINIS:
             raise ValueError(f"mini model {name!r} registered twice")
-        _MINIS[name] = Mini(name, cls, frozen(config), fn, video, eager)
+        if production is not None and "grid" not in inspect.signature(fn).parameters:
+            raise ValueError(f"mini model {name!r} has a production config but its inputs take no grid")
+        _MINIS[name] = Mini(name, cls, frozen(config), fn, video, eager, production)
         return fn
 
     return register
 
 
 def build(name: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-          device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Mini model ``name`` with seeded random weights and ``from_pretrained(torch_dtype=dtype)``'s dtypes."""
+          device: torch.device | str = "cpu", production: bool = False) -> torch.nn.Module:
+    """Mini model ``name`` with seeded random weights and ``from_pretrained(torch_dtype=dtype)``'s dtypes;
+    ``production``: at its released model's config instead of the tiny one."""
     spec = MINIS[name]
-    cfg = thaw(spec.config)
+    cfg = thaw(production_of(name).config if production else spec.config)
     return build_random(lambda: spec.transformer_cls(**cfg), seed=seed, dtype=dtype, device=device)
 
 
+def production_of(name: str) -> Production:
+    spec = MINIS[name]
+    if spec.production is None:
+        with_one = ", ".join(k for k, v in MINIS.items() if v.production is not None)
+        raise ValueError(f"mini model {name!r} has no production config; these do: {with_one}")
+    return spec.production
+
+
 def forward_inputs(name: str, model: torch.nn.Module, *, batch: int = 2, seed: int = 0,
-                   device: torch.device | str = "cpu") -> dict:
-    """One forward's keyword arguments for mini model ``name``, on ``device``."""
+                   device: torch.device | str = "cpu", grid: Grid | None = None) -> dict:
+    """One forward's keyword arguments for mini model ``name``, on ``device``; ``grid``: its size
+    (minis with a production config), else the tiny default."""
     g = torch.Generator().manual_seed(seed)
-    return _to(MINIS[name].inputs(model, batch, g, compute_dtype(model)), device)
+    spec = MINIS[name]
+    if grid is not None:
+        production_of(name)  # only those honour a grid
+        return _to(spec.inputs(model, batch, g, compute_dtype(model), grid=grid), device)
+    return _to(spec.inputs(model, batch, g, compute_dtype(model)), device)
 
 
 def _to(value, device):

@@ -7,7 +7,8 @@ last two tokens padding). Text length 7 (odd on purpose).
 
 import torch
 
-from exactdit.harness.minis import TEXT_LEN as TXT, mini, randn, text_mask, timesteps
+from exactdit.harness.minis import TEXT_LEN as TXT, Grid, Production, mini, randn, text_mask, timesteps
+from exactdit.harness.models.core import frozen
 
 
 def _diagonal_text_ids() -> torch.Tensor:
@@ -42,20 +43,26 @@ def _grid_ids(h: int, w: int, *, lead: float = 0.0, start: int = 0) -> torch.Ten
 # --------------------------------------------------------------------------------------------------
 
 
+# FLUX.2 [dev] is Flux2Transformer2DModel's default config (dim 6144 = 48 x 128, 8 double + 48
+# single blocks, Mistral-3 text features of 15360); 1024x1024: 64x64 packed latents, 512 text tokens
+_FLUX2_DEV = Production("FLUX.2-dev", frozen({}), Grid(1, 64, 64, 512), "1024x1024")
+
+
 @mini("flux2", "Flux2Transformer2DModel", dict(
     patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
     num_attention_heads=2, joint_attention_dim=24, timestep_guidance_channels=32, mlp_ratio=3.0,
-    axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, guidance_embeds=True))
-def _flux2(model, batch, g, dtype):
+    axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, guidance_embeds=True), production=_FLUX2_DEV)
+def _flux2(model, batch, g, dtype, grid=None):
     # Flux2Pipeline: packed latents (B, H*W, C), timestep in the latents' dtype / 1000, guidance
     # float32, int64 ids from cartesian_prod: text (0, 0, 0, l), image (0, h, w, 0)
     cfg = model.config
-    h = w = 8
-    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(TXT))
+    grid = grid or Grid(1, 8, 8, TXT)
+    h, w = grid.height, grid.width
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(grid.text))
     img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
     return dict(
         hidden_states=randn(g, batch, h * w, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, TXT, cfg.joint_attention_dim, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, grid.text, cfg.joint_attention_dim, dtype=dtype),
         timestep=timesteps(g, batch).to(dtype) / 1000,
         guidance=torch.full((batch,), 4.0, dtype=torch.float32),
         txt_ids=txt_ids.unsqueeze(0).expand(batch, -1, -1),
@@ -223,16 +230,25 @@ def _bria_fibo(model, batch, g, dtype):
 # --------------------------------------------------------------------------------------------------
 
 
+# Stable Diffusion 3.5 Large: dim 2432 = 38 x 64, 38 blocks, qk RMSNorm, no dual attention;
+# 1024x1024: 128x128 latents, CLIP 77 + T5 256 text tokens
+_SD35_LARGE = Production("Stable Diffusion 3.5 Large", frozen(dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+    joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=192, qk_norm="rms_norm")), Grid(1, 128, 128, 77 + 256), "1024x1024")
+
+
 @mini("sd3", "SD3Transformer2DModel", dict(
     sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
     joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=20, out_channels=4,
-    pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm"))
-def _sd3(model, batch, g, dtype):
-    # SD3.5 (qk RMSNorm, a dual-attention first block): 8x8 latents, 7 text tokens
+    pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm"), production=_SD35_LARGE)
+def _sd3(model, batch, g, dtype, grid=None):
+    # SD3.5 (qk RMSNorm, a dual-attention first block in the tiny config): 16x16 latents, 7 text tokens
     cfg = model.config
+    grid = grid or Grid(1, 16, 16, 7)
     return dict(
-        hidden_states=randn(g, batch, cfg.in_channels, 16, 16, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, 7, cfg.joint_attention_dim, dtype=dtype),
+        hidden_states=randn(g, batch, cfg.in_channels, grid.height, grid.width, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, grid.text, cfg.joint_attention_dim, dtype=dtype),
         pooled_projections=randn(g, batch, cfg.pooled_projection_dim, dtype=dtype),
         timestep=timesteps(g, batch),
     )

@@ -9,9 +9,11 @@ import math
 
 import torch
 
-from exactdit.harness.minis import TEXT_LEN as TEXT, mini, randn, text_mask, timesteps
+from exactdit.harness.minis import TEXT_LEN as TEXT, Grid, Production, mini, randn, text_mask, timesteps
+from exactdit.harness.models.core import frozen
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 8
+TINY = Grid(FRAMES, HEIGHT, WIDTH, TEXT)
 
 
 def _zero_padded_text(g, batch: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -29,16 +31,19 @@ def _zero_padded_text(g, batch: int, dim: int, dtype: torch.dtype) -> torch.Tens
     in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
     num_single_layers=2, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
     guidance_embeds=True, text_embed_dim=24, pooled_projection_dim=20, rope_theta=256.0,
-    rope_axes_dim=(4, 6, 6), image_condition_type=None), video=True)
-def _hunyuan_video(model, batch, g, dtype):
+    rope_axes_dim=(4, 6, 6), image_condition_type=None), video=True, production=Production(
+    # HunyuanVideo (13B) is the class's default config; 480x848, 33 frames: 9 latent frames of 60x106
+    "HunyuanVideo", frozen({}), Grid(9, 60, 106, 256), "480x848, 33 frames"))
+def _hunyuan_video(model, batch, g, dtype, grid=None):
     # HunyuanVideoPipeline: latents and text in the transformer dtype, the Llama mask cast to that dtype, the
     # scheduler's float32 timestep, embedded guidance = guidance_scale (6.0) * 1000 in the transformer dtype
     cfg = model.config
+    grid = grid or TINY
     return dict(
-        hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        hidden_states=randn(g, batch, cfg.in_channels, grid.frames, grid.height, grid.width, dtype=dtype),
         timestep=timesteps(g, batch),
-        encoder_hidden_states=randn(g, batch, TEXT, cfg.text_embed_dim, dtype=dtype),
-        encoder_attention_mask=text_mask(batch, dtype),
+        encoder_hidden_states=randn(g, batch, grid.text, cfg.text_embed_dim, dtype=dtype),
+        encoder_attention_mask=text_mask(batch, dtype, length=grid.text),
         pooled_projections=randn(g, batch, cfg.pooled_projection_dim, dtype=dtype),
         guidance=torch.full((batch,), 6.0, dtype=dtype) * 1000.0,
     )
@@ -87,17 +92,20 @@ def _hunyuan_video_15(model, batch, g, dtype):
     in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=16,
     cross_attention_dim=32, num_layers=2, activation_fn="gelu-approximate", qk_norm="rms_norm_across_heads",
     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=24, attention_bias=True,
-    attention_out_bias=True), video=True)
-def _ltx_video(model, batch, g, dtype):
+    attention_out_bias=True), video=True, production=Production(
+    # LTX-Video 2B is the class's default config; 704x1280, 81 frames: 11 latent frames of 22x40
+    "LTX-Video 2B", frozen({}), Grid(11, 22, 40, 128), "704x1280, 81 frames"))
+def _ltx_video(model, batch, g, dtype, grid=None):
     # LTXPipeline: packed latents [B, F*H*W, C] in the text dtype, a bool T5 mask, the scheduler's float32
     # timestep, latent grid sizes, rope_interpolation_scale = (temporal ratio 8 / frame_rate 25, 32, 32)
     cfg = model.config
+    grid = grid or TINY
     return dict(
-        hidden_states=randn(g, batch, FRAMES * HEIGHT * WIDTH, cfg.in_channels, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
+        hidden_states=randn(g, batch, grid.frames * grid.height * grid.width, cfg.in_channels, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, grid.text, cfg.caption_channels, dtype=dtype),
         timestep=timesteps(g, batch),
-        encoder_attention_mask=text_mask(batch, torch.bool),
-        num_frames=FRAMES, height=HEIGHT, width=WIDTH,
+        encoder_attention_mask=text_mask(batch, torch.bool, length=grid.text),
+        num_frames=grid.frames, height=grid.height, width=grid.width,
         rope_interpolation_scale=(8 / 25.0, 32, 32),
     )
 
@@ -180,16 +188,20 @@ def _cogvideox_rope(cfg, frames: int, height: int, width: int):
     temporal_compression_ratio=4, max_text_seq_length=TEXT, activation_fn="gelu-approximate",
     timestep_activation_fn="silu", norm_elementwise_affine=True, norm_eps=1e-5, spatial_interpolation_scale=1.875,
     temporal_interpolation_scale=1.0, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
-    patch_bias=True), video=True)
-def _cogvideox(model, batch, g, dtype):
+    patch_bias=True), video=True, production=Production(
+    # CogVideoX-5B: dim 3072 = 48 x 64, 42 blocks, 3D RoPE; 480x720, 49 frames: 13 latent frames of 60x90
+    "CogVideoX-5B", frozen(dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True)),
+    Grid(13, 60, 90, 226), "480x720, 49 frames"))
+def _cogvideox(model, batch, g, dtype, grid=None):
     # CogVideoXPipeline: latents [B, F, C, H, W] in the text dtype, T5 text without a mask, the DDIM scheduler's
     # int64 timestep, float32 (cos, sin) RoPE tables from the pipeline
     cfg = model.config
+    grid = grid or TINY
     return dict(
-        hidden_states=randn(g, batch, FRAMES, cfg.in_channels, HEIGHT, WIDTH, dtype=dtype),
-        encoder_hidden_states=randn(g, batch, TEXT, cfg.text_embed_dim, dtype=dtype),
+        hidden_states=randn(g, batch, grid.frames, cfg.in_channels, grid.height, grid.width, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, grid.text, cfg.text_embed_dim, dtype=dtype),
         timestep=timesteps(g, batch).long(),
-        image_rotary_emb=_cogvideox_rope(cfg, FRAMES, HEIGHT, WIDTH),
+        image_rotary_emb=_cogvideox_rope(cfg, grid.frames, grid.height, grid.width),
     )
 
 

@@ -14,7 +14,7 @@
 #   engine-chroma    diffusers' Chroma test configs
 #   minis-tests      pytest -m gpu tests/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
 #                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
-#   rules-tests      pytest -m gpu tests/test_gpu_engine_rules.py: each pointwise rule against the eager CUDA kernel,
+#   rules-tests      tests/test_numerics.py and tests/test_gpu_engine_rules.py: each pointwise rule against the eager CUDA kernel,
 #                    special values (+-0, +-inf, NaN, subnormals), bf16 / fp16 / fp32
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 #   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
@@ -77,6 +77,7 @@ for stage in "$@"; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     rules-tests)
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)

@@ -208,8 +208,8 @@ else:
 
     @triton.jit
     def neg_f32(x):
-        """fp32 ``-x`` as ATen's ``-a`` compiles (PTX ``neg.f32``): ``-(+0)`` is -0. Triton before
-        3.7 lowers unary minus to ``0 - x``, which gives +0 there."""
+        """fp32 ``-x`` as ATen's ``-a`` compiles (PTX ``neg.f32``): ``-(+0)`` is -0. Triton 3.6
+        lowers unary minus to ``0 - x``, which gives +0 there (3.9 emits ``fneg``)."""
         return tl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 

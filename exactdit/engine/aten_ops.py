@@ -268,7 +268,7 @@ def _unary(fp32_expr: Callable[[str], str]) -> Rule:
     return Rule(POINTWISE, emit, lambda node: _tensor_args_float(node) or _no_wider_operand(node))
 
 
-_register([aten.neg.default], _unary(lambda x: f"neg_f32({x})"))  # not Triton's `-x`: 0 - x before 3.7
+_register([aten.neg.default], _unary(lambda x: f"neg_f32({x})"))  # not Triton's `-x`: 0 - x in 3.6
 _register([aten.abs.default], _unary(lambda x: f"tl.abs({x})"))
 _register([aten.rsqrt.default], dataclasses.replace(_unary(lambda x: f"rsqrt_approx({x})"), cuda_only=lambda n: True))
 _register([aten.sqrt.default], _unary(lambda x: f"tl.sqrt_rn({x})"))

@@ -55,6 +55,20 @@ def first_call_s(tr, kw) -> float:
     return time.perf_counter() - t
 
 
+def compile_regions(tr) -> None:
+    """diffusers' regional compile (``compile_repeated_blocks(fullgraph=True)``); for a class that
+    lists no ``_repeated_blocks`` (SD3, CogVideoX, ...) the same on the blocks exactdit patches."""
+    if getattr(tr, "_repeated_blocks", None):
+        tr.compile_repeated_blocks(fullgraph=True)
+        return
+    from exactdit.engine.capture import repeated_blocks
+
+    classes = set(repeated_blocks(tr))
+    for m in tr.modules():
+        if type(m).__name__ in classes:
+            m.compile(fullgraph=True)
+
+
 def breakdown(forward) -> dict:
     """Kernel time of one forward by kind (GEMM, attention, the engine's regions, other ATen),
     idle gaps between kernels, and the median SM clock and board power while forwards run back to
@@ -147,7 +161,7 @@ def main() -> None:
         exactdit.unpatch(tr)
     if args.compile:
         torch._dynamo.reset()
-        tr.compile_repeated_blocks(fullgraph=True)
+        compile_regions(tr)
         first = first_call_s(tr, kw)
         ms, out = forward_ms(tr, kw, args.repeat)
         rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))

@@ -47,6 +47,7 @@ def test_index_bounds_and_broadcast():
     assert (i * 4 + 3).floordiv(4) == i and (i * 4 + 3).mod(4) == Ix.constant(3)
     assert i.floordiv(16) == Ix() and i.mod(32) == i
     assert broadcast_index(_atoms((2, 5, 8)), (2, 5, 8), (2, 1, 8))[1] == Ix()
+    assert i.minus_const(5) + 5 == i and i.minus_const(5) + 7 == i + 2  # a cat piece sliced back
 
 
 def test_column_values_follow_what_an_index_computes():
@@ -143,6 +144,27 @@ def test_fused_rms_norm_cat_and_rope(head_dim):
     report = _rewritten_run(build, [txt, img, w1, w2, table], sources)
     assert "fused_rms_norm" in next(iter(report.regions.values()))[0]
     _assert_partners_move_between_lanes(sources)
+
+
+def test_norm_read_through_a_cat_of_its_slices_along_the_sequence():
+    """HunyuanVideo's single block: RMSNorm per head over all tokens, then RoPE on the image
+    tokens only, ``cat([rope(q[:, :img]), q[:, img:]], 1)``, the piece viewed across its sequence
+    and head dims. Each piece reads the norm's statistics of its own row: one region."""
+    g = torch.Generator().manual_seed(7)
+    img, txt, heads, hd = 4, 5, 2, 16
+    x = rand((1, img + txt, heads, hd), torch.bfloat16, "cpu", g)
+    w = rand((hd,), torch.bfloat16, "cpu", g)
+
+    def build(b, x, w):
+        h = b.op(aten._to_copy.default, x, dtype=torch.float32)
+        rstd = b.op(aten.rsqrt.default, b.op(aten.add.Tensor, b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, h, 2), [-1], True), 1e-6))
+        normed = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, b.op(aten.mul.Tensor, h, rstd), dtype=torch.bfloat16), w)
+        head = b.op(aten.slice.Tensor, normed, 1, 0, img)
+        merged = b.op(aten.view.default, b.op(aten.view.default, head, [1, img * heads, hd]), [1, img, heads, hd])
+        return [b.op(aten.cat.default, [b.op(aten.neg.default, merged), b.op(aten.slice.Tensor, normed, 1, img, img + txt)], 1)]
+
+    report = _rewritten_run(build, [x, w])
+    assert len(report.regions) == 1 and "mean" in next(iter(report.regions.values()))[0], report.lines()
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])

@@ -651,9 +651,16 @@ def cat_pieces(node: fx.Node) -> tuple[int, list[tuple[fx.Node, int, int]]]:
 
 
 def _piece_index(node: fx.Node, index: Index, d: int, start: int, t: fx.Node) -> Index:
-    local = index[d].minus_const(start) if start else index[d]
     if node.target is aten.stack.default:
         return index[:d] + index[d + 1:]
+    local = index[d].minus_const(start) if start else index[d]
+    size = shape_of(t)[d]
+    if local.bound > size and local.const == 0 and len(local.terms) == 1 and local.terms[0][1] == 1 \
+            and not local.per_element:
+        # a row dim read only where the piece is selected: its index is below the piece's size,
+        # which lets a view of the piece (a reshape over its dims) keep the index whole instead
+        # of ``i % size`` (columns keep their atoms: lane moves recognise them)
+        local = Ix.of(dataclasses.replace(local.terms[0][0], bound=size))
     return index[:d] + (local,) + index[d + 1:]
 
 

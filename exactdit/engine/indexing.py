@@ -95,6 +95,17 @@ class Ix:
                 for b, cb in folded.terms:
                     coeffs[b] = coeffs.get(b, 0) + cb
                 const += folded.const
+        # (x - k) * c + k * c  ->  x * c: a cat piece's index that a slice of the piece's source
+        # moves back by the piece's start (the same row as the cat's, so it reads the same statistics)
+        for a in list(coeffs):
+            if a.origin is None or a.origin[1] != "-" or const < a.origin[2] * coeffs[a]:
+                continue
+            base, _, k = a.origin
+            c = coeffs.pop(a)
+            const -= k * c
+            for b, cb in (base * c).terms:
+                coeffs[b] = coeffs.get(b, 0) + cb
+            const += base.const * c
         return Ix(_sorted(coeffs), const)
 
     def minus_const(self, value: int) -> "Ix":

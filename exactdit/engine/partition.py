@@ -337,6 +337,13 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
         if not new_bans:
             break
         banned |= new_bans
+    # nodes set aside for another group's sake (e.g. a value of another size than that group's
+    # domain: CogVideoX's gated residuals before the norm of their cat) can still form regions of
+    # their own, which the first regions then read from memory (convex groups: no cycles)
+    for g in _Grouper(graph, (candidates & banned) - {n for r in regions for n in r.nodes}).groups():
+        region, _, _ = _region_from_group(g, f"{prefix}.r{len(regions)}", graph_outputs)
+        if region is not None:
+            regions.append(region)
     fused = {n for r in regions for n in r.nodes}
     left = {n: reasons.get(n, "set aside: its value must be handed to ATen") for n in graph.nodes
             if _is_compute(n) and n not in fused}

@@ -125,6 +125,19 @@ def test_layer_norm_with_gated_prologue_and_modulation(width, affine):
     assert any("layer_norm" in d for d, _ in report.regions.values())
 
 
+def test_many_narrow_layer_norm_rows_stay_with_aten():
+    """A row per program is slow for hundreds of thousands of rows of 64 (CogVideoX's q/k norms)."""
+    g = torch.Generator().manual_seed(1)
+    x, u = rand((2, 33000, 64), torch.bfloat16, "cpu", g), rand((2, 33000, 64), torch.bfloat16, "cpu", g)
+    b = GraphBuilder()
+    xn, un = b.input(x), b.input(u)
+    ln = b.op(aten.native_layer_norm.default, xn, [64], None, None, 1e-5)[0]
+    gm = b.module(b.op(aten.add.Tensor, b.op(aten.mul.Tensor, ln, un), un))
+    report = rewrite(gm, "narrow")
+    assert not any("layer_norm" in d for d, _ in report.regions.values())
+    assert any("many rows narrower than 512" in why for why in report.why_left), report.why_left
+
+
 @pytest.mark.parametrize("head_dim", [32, 128, 1024, 2560])
 def test_fused_rms_norm_cat_and_rope(head_dim):
     """Flux's QK path: F.rms_norm per head on both streams, cat, interleaved RoPE: one region,

@@ -22,7 +22,7 @@ import torch.fx as fx
 from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
-from exactdit.engine.templates import generate, reduction_kind
+from exactdit.engine.templates import generate, reduction_kind, why_not_reduction
 
 #: how many times the grouping is redone after setting nodes aside
 MAX_ROUNDS = 30
@@ -54,7 +54,8 @@ def candidate_reason(node: fx.Node) -> str | None:
         return "not an op"
     if reduction_kind(node) is not None:
         return None
-    return why_not_fusable(node)
+    why = why_not_reduction(node)  # a reduction the templates know, refused for this node
+    return why_not_fusable(node) if why == "not a reduction" else why
 
 
 def _users(node: fx.Node) -> list[fx.Node]:

@@ -205,18 +205,6 @@ def rewrite_and_check_against_eager(gm, inputs, label: str) -> None:
         assert stats[name]["fused"] > 0 and not stats[name]["disabled"], (name, stats[name])
 
 
-def with_special_values(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its first elements replaced by +-0, +-inf, NaN, the smallest subnormal and the
-    largest finite values of its dtype (where rules most often part from eager)."""
-    info = torch.finfo(t.dtype)
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.smallest_normal * 2**-3,
-                            -info.smallest_normal, info.max, -info.max, 1.0, -1.0], dtype=t.dtype)
-    t = t.clone()
-    n = min(t.numel(), special.numel())
-    t.view(-1)[:n] = special[:n].to(t.device)
-    return t
-
-
 # --- small ATen graphs, one op family each: built by ``GraphBuilder`` from (x, u, g), x and u of
 # one shape [B, S, D], g [B, D] (a per-row modulation vector) ----------------------------------------
 
@@ -227,9 +215,8 @@ def rope_graph(b, x, table):
     pairs = b.op(aten.view.default, x, shape[:-1] + [-1, 2])
     real, imag = b.op(aten.unbind.int, pairs, -1)
     rotated = b.op(aten.view.default, b.op(aten.stack.default, [b.op(aten.neg.default, imag), real], -1), shape)
-    f32 = lambda t: b.op(aten._to_copy.default, t, dtype=torch.float32)  # noqa: E731
-    t32 = f32(table)
-    out = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, f32(x), t32), b.op(aten.mul.Tensor, f32(rotated), t32))
+    t32 = _f32(b, table)
+    out = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, _f32(b, x), t32), b.op(aten.mul.Tensor, _f32(b, rotated), t32))
     return b.op(aten._to_copy.default, out, dtype=x.meta["val"].dtype)
 
 

@@ -70,3 +70,15 @@ def modulation(kind, shape, dtype, device, g):
     if kind == "expanded":
         return rand((1,) + lead[1:] + (D,), dtype, device, g).expand(shape).contiguous()
     raise ValueError(kind)
+
+
+def with_special_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its first elements replaced by +-0, +-inf, NaN, the smallest subnormal and the
+    largest finite values of its dtype (where rules most often part from eager)."""
+    info = torch.finfo(t.dtype)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.smallest_normal * 2**-3,
+                            -info.smallest_normal, info.max, -info.max, 1.0, -1.0], dtype=t.dtype)
+    t = t.clone()
+    n = min(t.numel(), special.numel())
+    t.view(-1)[:n] = special[:n].to(t.device)
+    return t

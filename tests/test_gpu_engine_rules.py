@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder,
-                                  rewrite_and_check_against_eager, with_special_values)
-from tests.helpers import rand
+from tests.engine_helpers import HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, rewrite_and_check_against_eager
+from tests.helpers import rand, with_special_values
 
 pytestmark = pytest.mark.gpu
 

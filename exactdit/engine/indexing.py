@@ -108,6 +108,12 @@ class Ix:
             const += base.const * c
         return Ix(_sorted(coeffs), const)
 
+    def same_value(self, other: "Ix") -> bool:
+        """Whether two forms compute the same value: the same terms by code (an atom's bound is
+        what is known about it where it is read -- a cat piece knows more -- not its value)."""
+        codes = lambda ix: sorted((a.code, c) for a, c in ix.terms)  # noqa: E731
+        return self.const == other.const and codes(self) == codes(other)
+
     def minus_const(self, value: int) -> "Ix":
         """``self - value`` where the result is known to be non-negative (cat pieces)."""
         if value <= self.const:

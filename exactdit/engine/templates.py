@@ -675,15 +675,9 @@ def _row_stats(em: Emitter, red: fx.Node, row: Index) -> dict:
     stats = em.stats.get(red)
     if stats is None:
         raise Unfusable("the reduction's statistics are not computed before this value")
-    if not _same_value(_row_form(tuple(row) + (Ix(),), stats["shape"]), stats["row"]):
+    if not _row_form(tuple(row) + (Ix(),), stats["shape"]).same_value(stats["row"]):
         raise Unfusable("reads the statistics of another row")
     return stats
-
-
-def _same_value(a: Ix, b: Ix) -> bool:
-    """Whether two index forms compute the same value: the same code terms (an atom's bound is
-    what is known about it where it is read -- a cat piece knows more -- not part of its value)."""
-    return a.const == b.const and sorted((t.code, c) for t, c in a.terms) == sorted((t.code, c) for t, c in b.terms)
 
 
 def _stat_rule(field: str):

@@ -10,6 +10,7 @@ Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -80,7 +81,8 @@ def mini(name: str, cls: str, config: Mapping[str, Any], *, video: bool = False,
             raise ValueError(f"mini model {name!r} registered twice")
         if production is not None and "grid" not in inspect.signature(fn).parameters:
             raise ValueError(f"mini model {name!r} has a production config but its inputs take no grid")
-        _MINIS[name] = Mini(name, cls, frozen(config), fn, video, eager, production)
+        released = None if production is None else dataclasses.replace(production, config=frozen(production.config))
+        _MINIS[name] = Mini(name, cls, frozen(config), fn, video, eager, released)
         return fn
 
     return register

@@ -8,7 +8,6 @@ last two tokens padding). Text length 7 (odd on purpose).
 import torch
 
 from exactdit.harness.minis import TEXT_LEN as TXT, Grid, Production, mini, randn, text_mask, timesteps
-from exactdit.harness.models.core import frozen
 
 
 def _diagonal_text_ids() -> torch.Tensor:
@@ -45,7 +44,7 @@ def _grid_ids(h: int, w: int, *, lead: float = 0.0, start: int = 0) -> torch.Ten
 
 # FLUX.2 [dev] is Flux2Transformer2DModel's default config (dim 6144 = 48 x 128, 8 double + 48
 # single blocks, Mistral-3 text features of 15360); 1024x1024: 64x64 packed latents, 512 text tokens
-_FLUX2_DEV = Production("FLUX.2-dev", frozen({}), Grid(1, 64, 64, 512), "1024x1024")
+_FLUX2_DEV = Production("FLUX.2-dev", {}, Grid(1, 64, 64, 512), "1024x1024")
 
 
 @mini("flux2", "Flux2Transformer2DModel", dict(
@@ -232,10 +231,10 @@ def _bria_fibo(model, batch, g, dtype):
 
 # Stable Diffusion 3.5 Large: dim 2432 = 38 x 64, 38 blocks, qk RMSNorm, no dual attention;
 # 1024x1024: 128x128 latents, CLIP 77 + T5 256 text tokens
-_SD35_LARGE = Production("Stable Diffusion 3.5 Large", frozen(dict(
+_SD35_LARGE = Production("Stable Diffusion 3.5 Large", dict(
     sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
     joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
-    pos_embed_max_size=192, qk_norm="rms_norm")), Grid(1, 128, 128, 77 + 256), "1024x1024")
+    pos_embed_max_size=192, qk_norm="rms_norm"), Grid(1, 128, 128, 77 + 256), "1024x1024")
 
 
 @mini("sd3", "SD3Transformer2DModel", dict(

@@ -10,7 +10,6 @@ import math
 import torch
 
 from exactdit.harness.minis import TEXT_LEN as TEXT, Grid, Production, mini, randn, text_mask, timesteps
-from exactdit.harness.models.core import frozen
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 8
 TINY = Grid(FRAMES, HEIGHT, WIDTH, TEXT)
@@ -33,7 +32,7 @@ def _zero_padded_text(g, batch: int, dim: int, dtype: torch.dtype) -> torch.Tens
     guidance_embeds=True, text_embed_dim=24, pooled_projection_dim=20, rope_theta=256.0,
     rope_axes_dim=(4, 6, 6), image_condition_type=None), video=True, production=Production(
     # HunyuanVideo (13B) is the class's default config; 480x848, 33 frames: 9 latent frames of 60x106
-    "HunyuanVideo", frozen({}), Grid(9, 60, 106, 256), "480x848, 33 frames"))
+    "HunyuanVideo", {}, Grid(9, 60, 106, 256), "480x848, 33 frames"))
 def _hunyuan_video(model, batch, g, dtype, grid=None):
     # HunyuanVideoPipeline: latents and text in the transformer dtype, the Llama mask cast to that dtype, the
     # scheduler's float32 timestep, embedded guidance = guidance_scale (6.0) * 1000 in the transformer dtype
@@ -94,7 +93,7 @@ def _hunyuan_video_15(model, batch, g, dtype):
     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=24, attention_bias=True,
     attention_out_bias=True), video=True, production=Production(
     # LTX-Video 2B is the class's default config; 704x1280, 81 frames: 11 latent frames of 22x40
-    "LTX-Video 2B", frozen({}), Grid(11, 22, 40, 128), "704x1280, 81 frames"))
+    "LTX-Video 2B", {}, Grid(11, 22, 40, 128), "704x1280, 81 frames"))
 def _ltx_video(model, batch, g, dtype, grid=None):
     # LTXPipeline: packed latents [B, F*H*W, C] in the text dtype, a bool T5 mask, the scheduler's float32
     # timestep, latent grid sizes, rope_interpolation_scale = (temporal ratio 8 / frame_rate 25, 32, 32)
@@ -190,7 +189,7 @@ def _cogvideox_rope(cfg, frames: int, height: int, width: int):
     temporal_interpolation_scale=1.0, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
     patch_bias=True), video=True, production=Production(
     # CogVideoX-5B: dim 3072 = 48 x 64, 42 blocks, 3D RoPE; 480x720, 49 frames: 13 latent frames of 60x90
-    "CogVideoX-5B", frozen(dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True)),
+    "CogVideoX-5B", dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
     Grid(13, 60, 90, 226), "480x720, 49 frames"))
 def _cogvideox(model, batch, g, dtype, grid=None):
     # CogVideoXPipeline: latents [B, F, C, H, W] in the text dtype, T5 text without a mask, the DDIM scheduler's

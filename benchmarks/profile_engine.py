@@ -84,7 +84,8 @@ def main() -> None:
 
     for key, (table, why) in tables._cache.items():
         print("table", key[0], key[-2], key[-1], table.spec if table else why)
-    write_json(f"profile_engine_{args.model}_{args.config}_b{args.batch}.json",
+    name = args.mini or f"{args.model}_{args.config}"
+    write_json(f"profile_engine_{name}_b{args.batch}.json",
                {"graphs": rows, "regions": regions_out, "total": dict(total), "copy_gbs": bandwidth, **environment()})
 
 

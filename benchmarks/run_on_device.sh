@@ -29,6 +29,7 @@
 #   minis-bench      the released models of minis with a production config (SD3.5 Large 1024^2, FLUX.2-dev 1024^2,
 #                    HunyuanVideo 480x848x33, LTX-Video 704x1280x81, CogVideoX-5B 480x720x49), with regional
 #                    compile; MINIS="sd3 ..." picks some
+#   minis-profile    profile_engine.py on those released models: ATen ops left eager by time, regions against their floor
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -123,6 +124,11 @@ for stage in "$@"; do
       for mini in ${MINIS:-sd3 ltx-video cogvideox hunyuan-video flux2}; do
         timeout 240 python3 benchmarks/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
           grep -E "^\||DISABLED|EAGER|built" | tee -a "$OUT/minis_bench.log"
+      done ;;
+    minis-profile)
+      for mini in ${MINIS:-sd3 cogvideox hunyuan-video}; do
+        timeout 240 python3 benchmarks/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
+          tee -a "$OUT/minis_profile.log" | grep -E "left to|model|^\|" | head -40
       done ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \

@@ -7,6 +7,8 @@
 ``--template`` picks the regions of the model's first block graph and the knob swept:
 * ``mean`` (decomposed RMSNorm): rows per program, warps, loop unroll (``templates.mean_launch_shape``);
 * ``fused_rms_norm`` (``F.rms_norm`` + epilogue): rows per program, warps (``templates.fused_rms_launch_shape``);
+* ``layer_norm_rows`` (LayerNorm over rows of at most 512): rows per program, warps
+  (``templates.layer_norm_rows_launch``);
 * ``tables`` (pointwise regions with bf16 function tables): row tiles per program, which is how
   often a program loads its tables (``templates.TABLE_TILES``).
 None of these changes a row's order of additions or any value; each variant's outputs are still
@@ -36,7 +38,7 @@ from exactdit.kernels import rows as rows_k  # noqa: E402
 
 def _mean_variants():
     default = templates.mean_launch_shape
-    for rows, warps, unroll in itertools.product([None, 2, 4, 8, 16], [4, 8], [2, 4]):
+    for rows, warps, unroll in itertools.product([None, 2, 4, 8, 16, 32], [2, 4, 8], [2, 4]):
         def shape(chunk, width, rows=rows, warps=warps, unroll=unroll):
             r = default(chunk, width).rows if rows is None else rows
             return templates.MeanLaunch(r, warps, unroll, rms_k.tail_block(chunk, width, r))
@@ -47,6 +49,11 @@ def _mean_variants():
 def _fused_rms_variants():
     for rows, warps in itertools.product([1, 2, 4, 8, 16, 32], [2, 4, 8]):
         yield f"rows={rows} warps={warps}", [(templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w))]
+
+
+def _layer_norm_rows_variants():
+    for rows, warps in itertools.product([4, 8, 16, 32, 64], [1, 2, 4, 8]):
+        yield f"rows={rows} warps={warps}", [(templates, "layer_norm_rows_launch", lambda width, r=rows, w=warps: (r, w))]
 
 
 def _table_variants():
@@ -62,6 +69,7 @@ SWEEPS = {
     "mean": (lambda r: r.kind == "mean", _mean_variants),
     "fused_rms_norm": (lambda r: r.kind == "fused_rms_norm", _fused_rms_variants),
     "tables": (lambda r: r.kind == "pointwise" and bool(r.tables), _table_variants),
+    "layer_norm_rows": (lambda r: r.kind == "layer_norm" and r.domain[-1] <= 512, _layer_norm_rows_variants),
 }
 
 
@@ -98,7 +106,8 @@ def main() -> None:
                                 us=1e3 * ms, x_floor=ms / floor, equal=equal))
             print(f"| {region.name} | {region.domain[-1]} | {label} | {1e3 * ms:.1f} | {ms / floor:.2f} | {equal} |",
                   flush=True)
-    write_json(f"tune_region_templates_{args.template}.json", {"model": args.model, "results": results, **environment()})
+    model = args.mini or args.model
+    write_json(f"tune_region_templates_{args.template}_{model}.json", {"model": model, "results": results, **environment()})
 
 
 if __name__ == "__main__":

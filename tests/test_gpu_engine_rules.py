@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, rewrite_and_check_against_eager
+from tests.engine_helpers import HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, aten, rewrite_and_check_against_eager
 from tests.helpers import rand, with_special_values
 
 pytestmark = pytest.mark.gpu
@@ -37,3 +37,32 @@ def test_rule_equals_eager_cuda(name, shape, dtype):
     if name in HALF_ONLY_GRAPHS and dtype == torch.float32:
         pytest.skip("fp32 transcendental functions stay with ATen")
     check_rule(name, shape, dtype)
+
+
+def _with_huge_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the dtype's largest value in every 7th row, at a column that moves with the
+    row (so it lands in every thread of ATen's LayerNorm tree): squared, it overflows."""
+    t = t.clone()
+    rows = t.view(-1, t.shape[-1])
+    picked = torch.arange(0, rows.shape[0], 7, device=t.device)
+    rows[picked, picked % t.shape[-1]] = torch.finfo(t.dtype).max
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim,heads,seq", [(4, 3, 333), (48, 5, 333), (64, 48, 17776), (96, 2, 61),
+                                                (164, 3, 101), (256, 5, 333), (512, 2, 130), (3072, 1, 333)])
+def test_layer_norm_per_head_equals_eager_cuda(head_dim, heads, seq, dtype):
+    """The LayerNorm template (several rows per program up to 512 wide, a row per program above)
+    on CogVideoX's per-head q/k layout, times a factor, against eager CUDA; rows with special and
+    huge values (ATen's empty-thread combines turn an overflowing square into NaN)."""
+    g = torch.Generator().manual_seed(head_dim + seq)
+    x = _with_huge_values(with_special_values(rand((1, seq, heads * head_dim), dtype, "cuda", g)))
+    u = rand((1, heads, seq, head_dim), dtype, "cuda", g)
+    w, bias = rand((head_dim,), dtype, "cuda", g), rand((head_dim,), dtype, "cuda", g)
+    b = GraphBuilder()
+    xn, un, wn, bn = (b.input(t) for t in (x, u, w, bias))
+    per_head = b.op(aten.transpose.int, b.op(aten.view.default, xn, [1, seq, heads, head_dim]), 1, 2)
+    ln = b.op(aten.native_layer_norm.default, per_head, [head_dim], wn, bn, 1e-6)[0]
+    gm = b.module(b.op(aten.mul.Tensor, ln, un))
+    rewrite_and_check_against_eager(gm, [x, u, w, bias], f"layer norm {head_dim} x {heads * seq} {dtype}")

@@ -283,16 +283,7 @@ def _layer_norm_check(node: fx.Node) -> str | None:
     width = shape_of(x)[-1]
     if width % 4:
         return "D % 4 != 0 (ATen's non-vectorised LayerNorm)"
-    if width < _LN_WIDE and math.prod(shape_of(x)[:-1]) > _LN_MANY_ROWS:
-        return f"many rows narrower than {_LN_WIDE} (a row per program idles most of its lanes)"
     return _last_dim_only(node, normalized) or _params_like_input(node, (weight, bias))
-
-
-#: The LayerNorm template runs a row per program on 128 lanes of 4 columns. With CogVideoX-5B's
-#: per-head q/k norms (842k rows of 64) fused that way its forward took 840.5 ms against 792.2 with
-#: ATen's LayerNorm there (H200; the same change added regions only where ATen ran two kernels):
-#: such rows stay with ATen.
-_LN_WIDE, _LN_MANY_ROWS = 512, 1 << 16
 
 
 def _fused_rms_check(node: fx.Node) -> str | None:
@@ -449,12 +440,21 @@ def _eps32(node: fx.Node, position: int) -> str:
     return f32_literal(torch.finfo(torch.float32).eps if eps is None else float(eps))
 
 
+def layer_norm_rows_launch(width: int) -> tuple[int, int]:
+    """(rows per program, warps) of the LayerNorm template for rows of at most 512 (a vector
+    per thread at most): neither changes a row's order."""
+    return max(1, 2048 // next_power_of_2(width)), 4
+
+
 def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
-    """ATen's ``vectorized_layer_norm_kernel``: one row per program, 128 Welford "threads"."""
+    """ATen's ``vectorized_layer_norm_kernel``: 128 Welford "threads" per row; one row per
+    program, or for rows of at most 512 several rows per program (:func:`_layer_norm_rows`)."""
     from exactdit.kernels import layer_norm as ln_k
 
     t = _Reduction(region, launch)
     code, width = t.code, t.width
+    if width <= 4 * ln_k.THREADS:
+        return _layer_norm_rows(t, launch)
     n_vec = width // 4
     n_iter = -(-n_vec // ln_k.THREADS)
     unroll = n_iter <= ln_k.MAX_UNROLL
@@ -492,6 +492,36 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
                index)
     code.extend(body)
     return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
+
+
+def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
+    """Rows of at most 512 (CogVideoX's per-head q/k norms: 853k rows of 64): a tile of
+    ``BLOCK_R`` whole rows, thread t of each row owning columns 4t .. 4t + 3; the states combine
+    in ATen's tree (``ln_k.lanes_finish``) and the same tile gives the outputs."""
+    from exactdit.kernels import layer_norm as ln_k
+
+    code, width = t.code, t.width
+    lanes = next_power_of_2(width // 4)
+    block_r, num_warps = layer_norm_rows_launch(width)
+    code.line(f"rows = tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]")
+    code.line(f"row_ok = rows < {t.n_rows}")
+    row = tuple(_row_atoms(code, "rows", launch.shape))
+    code.line(f"eps = {_eps32(t.red, 4)}")
+    index = row + (Ix.of(Atom("cols", width, True)),)
+    code.line(f"cols = tl.arange(0, {4 * lanes})[None, :]")
+    code.line(f"mask = row_ok & (cols < {width})")
+    em = t.emitter(code, Tile(index, f"[{block_r}, {4 * lanes}]", f"[{block_r}, 1]", "mask", "row_ok",
+                              whole_rows=True, aligned_columns=4 * lanes))
+    x = t.reduction_input(em, index)
+    choices = ln_k.CHOICES
+    code.line(f"mean, m2, cnt = ln_k.welford_lanes({x}, {block_r}, {lanes}, {width // 4})")
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {block_r}, {lanes}, {width // 4}, "
+              f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
+    code.line("mean_r = mean_r[:, None]")
+    code.line("rstd_r = rstd_r[:, None]")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1), rstd=Val("rstd_r", torch.float32, 1))
+    t.epilogue(em, index)
+    return t.kernel({}, (-(-t.n_rows // block_r),), num_warps)
 
 
 def fused_rms_launch_shape(width: int) -> tuple[int, int]:
@@ -586,12 +616,20 @@ def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
       warps on any of the six regions measured (3840 and 4096 wide), faster on four (Z-Image's
       sandwich norm with its gated residual 26.7 against 30.6 us, ERNIE's 39.8 against 42.3 and
       79.8 against 86.4); the best setting differed per region.
+    * narrow rows of several chunks (SD3.5 Large's q/k norms: 168k rows of 64 in chunks of 32
+      threads): 16 rows, 4 warps (11.8 us, 1.17x the floor; 32 rows 11.9-12.4, 8 rows 15.8,
+      2 rows 57.5); between 64 and the wide rows, 1024 elements per program.
     Holding a wide row's chunks in registers for pass 2 instead of loading them again measured
     1.4-2.2x slower (register pressure); for one-chunk rows the compiler already reuses pass 1's
     load."""
     from exactdit.kernels import rms_norm as rms_k
 
-    rows, warps, unroll = (8, 4, 2) if width <= chunk else (2, 4, 4)
+    if width <= chunk:
+        rows, warps, unroll = 8, 4, 2
+    else:
+        per_program = 1024 // width  # rows of 1024 elements, a power of two of them
+        rows = 2 if per_program < 2 else min(16, 1 << (per_program.bit_length() - 1))
+        rows, warps, unroll = rows, 4, 4 if rows == 2 else 2
     return MeanLaunch(rows, warps, unroll, rms_k.tail_block(chunk, width, rows))
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
-from exactdit.kernels.rows import next_power_of_2, row_offsets, row_strides, rows_of
+from exactdit.kernels.rows import halves, next_power_of_2, row_offsets, row_strides, rows_of, vector_elements
 from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rsqrt_approx, sub_rn
 
 #: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
@@ -82,7 +82,7 @@ def _reciprocal(x, RCP_APPROX: tl.constexpr):
 
 @triton.jit
 def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
-             COUNT: tl.constexpr):
+             TOTAL: tl.constexpr):
     """ATen's ``cuWelfordCombine(dataB=(bm, bs, bc), dataA=(am, as_, ac))`` (B is the lane or
     warp that keeps the result, A the one it receives):
 
@@ -90,14 +90,14 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
     nA = A.count * coef; nB = B.count * coef; mean = nA * A.mean + nB * B.mean (FMA per
     MEAN_FMA); m2 = fma((delta * delta) * A.count, nB, A.m2 + B.m2) (SIGMA_FMA); count 0 gives
     mean = m2 = 0.
-    COUNT > 0: both states are known to hold COUNT elements, so ``count`` and ``coef`` are
-    constants (``coef`` is Python's ``1 / (2 * COUNT)`` rounded to fp32, which equals the
-    correctly rounded fp32 reciprocal for every count the kernel meets: tested).
+    TOTAL > 0: the states are known to hold TOTAL elements together, so ``count`` and ``coef``
+    are constants (``coef`` is Python's ``1 / TOTAL`` rounded to fp32, which equals the correctly
+    rounded fp32 reciprocal for every count the kernel meets: tested).
     """
     delta = sub_rn(bm, am)
-    if COUNT > 0:
-        count = tl.full(bm.shape, 2.0 * COUNT, tl.float32)
-        coef = tl.full(bm.shape, 1.0 / (2 * COUNT), tl.float32)
+    if TOTAL > 0:
+        count = tl.full(bm.shape, TOTAL * 1.0, tl.float32)
+        coef = tl.full(bm.shape, 1.0 / TOTAL, tl.float32)
     else:
         count = add_rn(ac, bc)
         coef = _reciprocal(tl.where(count > 0.0, count, 1.0), RCP_APPROX)
@@ -114,7 +114,7 @@ def _combine(bm, bs, bc, am, as_, ac, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.cons
         m2 = tl.fma(t, nb, add_rn(as_, bs))
     else:
         m2 = add_rn(add_rn(as_, bs), mul_rn(t, nb))
-    if COUNT > 0:
+    if TOTAL > 0:
         return mean, m2, count
     else:
         pos = count > 0.0
@@ -138,7 +138,7 @@ def _shuffle_down(
         ac = cnt
     else:
         ac = tl.gather(cnt, src, AXIS)
-    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, COUNT)
+    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, 2 * COUNT)
 
 
 @triton.jit
@@ -147,6 +147,15 @@ def _lane0(v, lane):
     nonzero bit pattern, so no sign of zero or NaN payload is lost)."""
     bits = tl.where(lane == 0, v.to(tl.int32, bitcast=True), 0)
     return tl.sum(bits, axis=len(v.shape) - 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _welford_step(v, mean, m2, rcp):
+    """``cuWelfordOnlineSum`` for one element ``v`` whose count has reciprocal ``rcp``:
+    delta = v - mean; mean' = fma(delta, rcp, mean); m2' = fma(delta, v - mean', m2)."""
+    delta = sub_rn(v, mean)
+    new_mean = tl.fma(delta, rcp, mean)
+    return new_mean, tl.fma(delta, sub_rn(v, new_mean), m2)
 
 
 @triton.jit
@@ -174,13 +183,11 @@ def welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONS
             v = v2
         else:
             v = v3
-        delta = sub_rn(v, mean)
         if CONST_RCP:
             rcp = 1.0 / (j * 4 + i + 1)
         else:
             rcp = _reciprocal(base + (i + 1.0), RCP_APPROX)
-        new_mean = tl.fma(delta, rcp, mean)
-        new_m2 = tl.fma(delta, sub_rn(v, new_mean), m2)
+        new_mean, new_m2 = _welford_step(v, mean, m2, rcp)
         if FULL:
             mean = new_mean
             m2 = new_m2
@@ -260,11 +267,95 @@ def welford_finish(mean, m2, cnt, width, eps, MEAN_FMA: tl.constexpr, SIGMA_FMA:
     w = tl.arange(0, 4)
     mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C << 5)
     mean, m2, cnt = _shuffle_down(mean, m2, cnt, w, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C << 6)
-    mean = _lane0(mean, w)
-    m2 = _lane0(m2, w)
-    var = div_rn(m2, tl.full((), width, tl.float32))
-    rstd = rsqrt_approx(add_rn(var, eps))
-    return mean, rstd
+    return _lane0(mean, w), _rstd(_lane0(m2, w), width, eps)
+
+
+@triton.jit
+def _rstd(m2, width, eps):
+    """``rsqrt.approx(m2 / N + eps)``, the division correctly rounded (ATen's var and rstd)."""
+    return rsqrt_approx(add_rn(div_rn(m2, tl.full((), width, tl.float32)), eps))
+
+
+# --- many narrow rows per program ------------------------------------------------------------------
+# A row of D <= 512 gives each of ATen's 128 threads at most one vector, and only threads
+# 0 .. D/4 - 1 hold data. Holding ROWS rows' states as [ROWS, LANES] tensors (LANES = the next
+# power of two of D/4) and stepping the shuffle-down tree by halves computes the values ATen's
+# thread 0 ends with: after the step of offset o, the next steps read only lanes below o; a step
+# whose partners lie past LANES combines with ATen's empty (all zero) state, which is not a
+# no-op (``nB = count * (1 / count)`` need not be 1, and an infinite ``delta * delta`` times a
+# zero count is NaN), so it is computed, not skipped.
+
+
+@triton.jit
+def welford_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr, N_VEC: tl.constexpr):
+    """Thread states (mean, m2, count), each [ROWS, LANES], after every thread t < N_VEC folded
+    its one vector (columns 4t .. 4t + 3 of the row tile ``x`` [ROWS, 4 * LANES], fp32) into
+    ATen's initial zero state; threads t >= N_VEC keep that state."""
+    mean = tl.zeros([ROWS, LANES], tl.float32)
+    m2 = tl.zeros([ROWS, LANES], tl.float32)
+    v0, v1, v2, v3 = vector_elements(x, ROWS, LANES)
+    mean, m2 = _welford_step(v0, mean, m2, 1.0)
+    mean, m2 = _welford_step(v1, mean, m2, 1.0 / 2)
+    mean, m2 = _welford_step(v2, mean, m2, 1.0 / 3)
+    mean, m2 = _welford_step(v3, mean, m2, 1.0 / 4)
+    has = (tl.arange(0, LANES) < N_VEC)[None, :]
+    return tl.where(has, mean, 0.0), tl.where(has, m2, 0.0), tl.where(has, tl.full([ROWS, LANES], 4.0, tl.float32), 0.0)
+
+
+@triton.jit
+def _with_empty(mean, m2, cnt, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
+                COUNT: tl.constexpr):
+    """A tree step whose partner threads hold no data (COUNT > 0: every live lane holds COUNT
+    elements)."""
+    z = tl.zeros_like(mean)
+    return _combine(mean, m2, cnt, z, z, z, MEAN_FMA, SIGMA_FMA, RCP_APPROX, COUNT)
+
+
+@triton.jit
+def _halving_step(mean, m2, cnt, ROWS: tl.constexpr, HALF: tl.constexpr, MEAN_FMA: tl.constexpr,
+                  SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, COUNT: tl.constexpr):
+    """A tree step of offset HALF over 2 * HALF live lanes: lane l < HALF keeps
+    ``combine(own l, received l + HALF)``; [ROWS, 2 * HALF] -> [ROWS, HALF] (COUNT > 0: every
+    lane holds COUNT elements)."""
+    bm, am = halves(mean, ROWS, HALF)
+    bs, as_ = halves(m2, ROWS, HALF)
+    bc, ac = halves(cnt, ROWS, HALF)
+    return _combine(bm, bs, bc, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, 2 * COUNT)
+
+
+@triton.jit
+def lanes_finish(mean, m2, cnt, width, eps, ROWS: tl.constexpr, LANES: tl.constexpr, N_VEC: tl.constexpr,
+                 MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
+    """(mean, rstd), each [ROWS], from :func:`welford_lanes`' states: :func:`welford_finish`'s
+    tree (offsets 16..1 inside each warp, then warp w takes w + 2, then w + 1) with the lanes
+    past N_VEC empty. When every lane holds a vector (N_VEC == LANES) the counts of each step
+    are known, and so are the reciprocals."""
+    WARPS: tl.constexpr = (LANES + 31) // 32
+    L: tl.constexpr = LANES // WARPS  # live lanes of each warp
+    C: tl.constexpr = 4 if N_VEC == LANES and not RCP_APPROX else 0  # elements per live lane
+    mean = tl.reshape(mean, [ROWS * WARPS, L])
+    m2 = tl.reshape(m2, [ROWS * WARPS, L])
+    cnt = tl.reshape(cnt, [ROWS * WARPS, L])
+    for k in tl.static_range(5):
+        if (16 >> k) >= L:
+            mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C)
+        else:
+            mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS * WARPS, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX,
+                                          C * (L // (32 >> k)))
+    # each warp's lane 0 now holds C * L elements
+    mean = tl.reshape(mean, [ROWS, WARPS])
+    m2 = tl.reshape(m2, [ROWS, WARPS])
+    cnt = tl.reshape(cnt, [ROWS, WARPS])
+    if WARPS == 4:
+        mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
+    else:
+        mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
+    if WARPS >= 2:
+        mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L * (WARPS // 2))
+    else:
+        mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
+    mean = tl.reshape(mean, [ROWS])
+    return mean, _rstd(tl.reshape(m2, [ROWS]), width, eps)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import next_power_of_2
+from exactdit.kernels.rows import next_power_of_2, vector_elements
 from exactdit.numerics import (
     LAUNCH_OPTIONS, add_rn, as_fp32, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, round_to, rounded, rsqrt_approx,
 )
@@ -82,9 +82,7 @@ def accumulate_vectors(acc, x, BLOCK_R: tl.constexpr, LANES: tl.constexpr, SQUAR
     """``acc`` [BLOCK_R, LANES] plus the squares of one vector per lane, taken from the tile
     ``x`` [BLOCK_R, 4 * LANES] of consecutive columns (zeros past the row end): lane t's elements
     4t, 4t+1, 4t+2, 4t+3 are split out of its registers and accumulated in that order."""
-    pairs_lo, pairs_hi = tl.split(tl.reshape(x, [BLOCK_R, LANES, 2, 2]))  # 4t + {0, 2}, 4t + {1, 3}
-    v0, v2 = tl.split(pairs_lo)
-    v1, v3 = tl.split(pairs_hi)
+    v0, v1, v2, v3 = vector_elements(x, BLOCK_R, LANES)
     acc = square_accumulate(acc, v0, SQUARE_FMA)
     acc = square_accumulate(acc, v1, SQUARE_FMA)
     acc = square_accumulate(acc, v2, SQUARE_FMA)

@@ -88,6 +88,8 @@ def breakdown(forward) -> dict:
                         if k != "kernel_ms_by_kind"}, {k: round(v, 2) for k, v in by_kind.items()}, flush=True)
     print("idle before (ms, next kernel)", [(round(v, 3), k) for v, k in prof["idle_before_kernel_ms"][:8]], flush=True)
     print("largest gaps (us, after, before)", prof["largest_gaps_us"][:6], flush=True)
+    top = sorted(prof["kernel_ms_by_name"].items(), key=lambda kv: -kv[1])[:14]
+    print("kernels by time (ms)", [(round(v, 2), k[:70]) for k, v in top], flush=True)
     return out
 
 
@@ -166,6 +168,8 @@ def main() -> None:
         ms, out = forward_ms(tr, kw, args.repeat)
         rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
+        if args.breakdown:
+            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
     for r in rows:
         r.update(model=f"{model} {shape}", ratio_to_eager=eager_ms / r["ms"], path=r["path"] + offload, **env)
     print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")

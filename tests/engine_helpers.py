@@ -28,6 +28,7 @@ def _mean(x, dims, keepdim=False, dtype=None):
 
 
 def _layer_norm(x, normalized, weight, bias, eps):
+    x = x.contiguous()  # ATen's native_layer_norm works on (and returns) the contiguous input
     y, mean, rstd = layer_norm_order_model(x, weight, bias, eps, rsqrt=interpreter_rsqrt, vectorized=True,
                                            return_stats=True)
     return y, mean, rstd
@@ -207,6 +208,26 @@ def rewrite_and_check_against_eager(gm, inputs, label: str) -> None:
 
 # --- small ATen graphs, one op family each: built by ``GraphBuilder`` from (x, u, g), x and u of
 # one shape [B, S, D], g [B, D] (a per-row modulation vector) ----------------------------------------
+
+
+def rows_adjacent_block(b, x, attn, mlp, gate, scale, shift):
+    """HunyuanVideo's double block on its image stream ``x`` (B, L, C), which lies in the (B, C, L)
+    memory of the patch embedding: gated residual, LayerNorm + modulation of it, the next gated
+    residual (``gate``, ``scale``, ``shift``: (B, C) vectors)."""
+    width = x.meta["val"].shape[-1]
+
+    def per_row(v):
+        return b.op(aten.unsqueeze.default, v, 1)
+
+    res = b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, attn, per_row(gate)))
+    ln = b.op(aten.native_layer_norm.default, res, [width], None, None, 1e-6)[0]
+    mod = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, ln, b.op(aten.add.Tensor, per_row(scale), 1)), per_row(shift))
+    return [mod, b.op(aten.add.Tensor, res, b.op(aten.mul.Tensor, mlp, per_row(gate)))]
+
+
+def gated_residual(b, x, attn, gate):
+    """``x + attn * gate[:, None]``."""
+    return [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, attn, b.op(aten.unsqueeze.default, gate, 1)))]
 
 
 def rope_graph(b, x, table):

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 import exactdit
 from exactdit import gate
-from exactdit.engine import coverage, tables
+from exactdit.engine import coverage, tables, templates
 from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
 from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
-                                  rewrite_and_check, rope_graph, trusted)
+                                  gated_residual, rewrite_and_check, rope_graph, rows_adjacent_block, trusted)
 from tests.helpers import assert_bits_equal, rand
 
 aten = torch.ops.aten
@@ -64,16 +64,19 @@ def test_column_values_follow_what_an_index_computes():
 # --- op rules against CPU eager (pointwise regions are checked by the gate on the CPU) ---------
 
 
-def _rewritten_run(build, inputs, sources: list | None = None):
+def _rewritten_run(build, inputs, sources: list | None = None, kernels: list | None = None):
     """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`rewrite_and_check`);
-    the generated kernels' sources are appended to ``sources``."""
+    the generated kernels (their sources) are appended to ``kernels`` (``sources``)."""
     b = GraphBuilder()
     nodes = [b.input(t) for t in inputs]
     gm = b.module(*build(b, *nodes))
     report = rewrite_and_check(gm, inputs)
+    generated = [k for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
+                 for _, k in n.target.exactdit_region.kernels()]
     if sources is not None:
-        sources.extend(k.source for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
-                       for _, k in n.target.exactdit_region.kernels())
+        sources.extend(k.source for k in generated)
+    if kernels is not None:
+        kernels.extend(generated)
     return report
 
 
@@ -147,6 +150,26 @@ def test_layer_norm_per_head_many_rows_per_program(head_dim, dtype):
     report = _rewritten_run(build, [x, u, w, bias], sources)
     assert any("layer_norm" in d for d, _ in report.regions.values()), report.why_left
     assert any("ln_k.lanes_finish" in src for src in sources)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("width", [516, 1024, 1536])
+def test_rows_adjacent_in_memory_take_tiles_of_many_rows(width, dtype):
+    """An activation in the (B, C, L) memory of a patch embedding (HunyuanVideo's image stream):
+    the LayerNorm region and a lone gated residual read and write it in tiles of many rows (the
+    LayerNorm's statistics in ATen's thread order all the same); a row count no tile divides;
+    widths with every thread holding a vector in every iteration or not."""
+    g = torch.Generator().manual_seed(width)
+    seq = 37
+    x = rand((1, width, seq), dtype, "cpu", g).transpose(1, 2)  # (1, seq, width), rows adjacent
+    attn, mlp = rand((1, seq, width), dtype, "cpu", g), rand((1, seq, width), dtype, "cpu", g)
+    gate, scale, shift = (rand((1, width), dtype, "cpu", g) for _ in range(3))
+    sources, kernels = [], []
+    report = _rewritten_run(rows_adjacent_block, [x, attn, mlp, gate, scale, shift], sources)
+    assert any("layer_norm" in d for d, _ in report.regions.values()), report.why_left
+    assert any("ln_k.welford_elements" in src for src in sources), sources
+    _rewritten_run(gated_residual, [x, attn, gate], kernels=kernels)
+    assert [dict(k.constexprs)["BLOCK_R"] for k in kernels] == [templates.ROWS_ADJACENT_TILE[0]]
 
 
 @pytest.mark.parametrize("head_dim", [32, 128, 1024, 2560])

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, aten, rewrite_and_check_against_eager
+from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, aten, gated_residual,
+                                  rewrite_and_check_against_eager, rows_adjacent_block)
 from tests.helpers import rand, with_special_values
 
 pytestmark = pytest.mark.gpu
@@ -66,3 +67,20 @@ def test_layer_norm_per_head_equals_eager_cuda(head_dim, heads, seq, dtype):
     ln = b.op(aten.native_layer_norm.default, per_head, [head_dim], wn, bn, 1e-6)[0]
     gm = b.module(b.op(aten.mul.Tensor, ln, un))
     rewrite_and_check_against_eager(gm, [x, u, w, bias], f"layer norm {head_dim} x {heads * seq} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("width,seq", [(516, 37), (1024, 1), (3072, 14566), (5120, 333)])
+def test_rows_adjacent_in_memory_equal_eager_cuda(width, seq, dtype):
+    """HunyuanVideo's image stream in the (B, C, L) memory of its patch embedding (3072 x 14566: its
+    480x848, 33-frame size): gated residual, LayerNorm + modulation, the next gated residual, and a
+    lone gated residual, in tiles of many rows, against eager CUDA; special and huge values."""
+    g = torch.Generator().manual_seed(width + seq)
+    x = _with_huge_values(with_special_values(rand((1, seq, width), dtype, "cuda", g)))
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, rows adjacent in memory
+    attn, mlp = (with_special_values(rand((1, seq, width), dtype, "cuda", g)) for _ in range(2))
+    gate, scale, shift = (rand((1, width), dtype, "cuda", g) for _ in range(3))
+    for build, inputs in ((rows_adjacent_block, [x, attn, mlp, gate, scale, shift]), (gated_residual, [x, attn, gate])):
+        b = GraphBuilder()
+        gm = b.module(*build(b, *(b.input(t) for t in inputs)))
+        rewrite_and_check_against_eager(gm, inputs, f"{build.__name__} {width} x {seq} {dtype}")

@@ -153,6 +153,8 @@ class Emitter:
         #: multiple of step (what a lane move may rely on)
         self._lanes: tuple = ()
         self._lane_values: dict = {}
+        #: (operand, index) of every load and store emitted, for the template's choice of tile
+        self.accesses: list[tuple[Operand, Index]] = []
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -359,6 +361,7 @@ class Emitter:
         return float(arg)
 
     def load(self, operand: Operand, index: Index, dtype: torch.dtype) -> Val:
+        self.accesses.append((operand, index))
         offset = offset_code(index, operand.strides, operand.wide)
         kind = FULL if any(ix.per_element for ix in index) else (ROW if any(not ix.is_const for ix in index) else SCALAR)
         guard_kind = self.effective(self._guard_kind) if self._guard else SCALAR
@@ -403,6 +406,7 @@ class Emitter:
 
     def store(self, operand: Operand, index: Index, v: Val) -> None:
         v = self.broadcast(v, FULL)
+        self.accesses.append((operand, index))
         offset = offset_code(index, operand.strides, operand.wide)
         # (a pointer of the tile's shape even where the rows are one row of size-1 dims)
         self.code.line(f"tl.store({operand.ptr} + ({offset}) + tl.zeros({self.tile.full_shape}, tl.int32), "

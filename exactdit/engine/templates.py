@@ -206,10 +206,28 @@ def _store_outputs(em: Emitter, region: Region, launch: Launch, index: Index, ou
 # --- pointwise ---------------------------------------------------------------------------------
 
 
+#: [BLOCK_R, BLOCK_C] of the pointwise tiles when an operand lies with its rows adjacent in memory
+#: (see :func:`rows_adjacent`): 64 rows give each column's load 128 contiguous bytes of a bf16
+#: operand, and 64 columns the same to a row-major operand (Triton moves the tile between the two
+#: layouts through shared memory). Not yet swept on the GPU.
+ROWS_ADJACENT_TILE = (64, 64)
+
+
 def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
+    kernel, adjacent = _pointwise(region, launch, None)
+    return _pointwise(region, launch, ROWS_ADJACENT_TILE)[0] if adjacent else kernel
+
+
+def _pointwise(region: Region, launch: Launch, blocks: tuple[int, int] | None) -> tuple[GeneratedKernel, bool]:
+    """The kernel in tiles of ``blocks`` (None: the elementwise tiles of row-major data), and
+    whether an operand lies with its rows adjacent."""
     shape = launch.shape
     n_rows, width = math.prod(shape[:-1]), shape[-1]
-    block_r, block_c, (grid_r, grid_c) = elementwise_blocks(n_rows, width)
+    if blocks is None:
+        block_r, block_c, (grid_r, grid_c) = elementwise_blocks(n_rows, width)
+    else:
+        block_r, block_c = min(blocks[0], next_power_of_2(n_rows)), min(blocks[1], next_power_of_2(width))
+        grid_r, grid_c = -(-n_rows // block_r), -(-width // block_c)
     tiles = TABLE_TILES if region.tables else 1
     loads: dict[fx.Node, Operand] = {}
     outs = output_operands(region)
@@ -229,8 +247,32 @@ def pointwise(region: Region, launch: Launch) -> GeneratedKernel:
     em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces=dict(launch.pieces), tables=slots)
     _store_outputs(em, region, launch, index, outs)
     code.extend(body)
-    return _kernel(region, loads, code, {"BLOCK_R": block_r, "BLOCK_C": block_c, "TILES": tiles},
-                   (-(-grid_r // tiles), grid_c), ELEMENTWISE_TILE["num_warps"])
+    kernel = _kernel(region, loads, code, {"BLOCK_R": block_r, "BLOCK_C": block_c, "TILES": tiles},
+                     (-(-grid_r // tiles), grid_c), ELEMENTWISE_TILE["num_warps"])
+    return kernel, rows_adjacent(region, loads, outs, em.accesses, index[:-1])
+
+
+def rows_adjacent(region: Region, loads: dict, outs: list[Operand], accesses, row: Index) -> bool:
+    """Whether a kernel reads or writes an operand whose elements lie ``rows`` apart along a row
+    while consecutive rows are adjacent in memory: a (B, L, C) activation kept in the (B, C, L)
+    memory of a convolution's output that was flattened and transposed (the patch embeddings of
+    HunyuanVideo, Wan-VACE, Sana, PixArt; residual adds keep that layout block after block).
+    Walking such an operand a row at a time touches a new 32-byte sector per element; tiles of
+    many rows read whole sectors."""
+    atoms = [ix.terms[0][0] for ix in row if len(ix.terms) == 1 and ix.terms[0][1] == 1]
+    if not atoms:
+        return False
+    inner = atoms[-1]  # the innermost dim of the rows that is not of size 1
+    vals = {op.ptr: n.meta.get("val") for n, op in loads.items()}
+    vals.update((op.ptr, n.meta.get("val")) for n, op in zip(region.outputs, outs))
+    for op, index in accesses:
+        val = vals.get(op.ptr)
+        if not isinstance(val, torch.Tensor) or val.dim() != len(index) or val.dim() < 2 or val.stride()[-1] == 1:
+            continue
+        along_rows = sum(c * st for ix, st in zip(index, val.stride()) for a, c in ix.terms if a == inner)
+        if along_rows == 1:
+            return True
+    return False
 
 
 def _kernel(region: Region, loads: dict, code: Code, consts: dict, grid, num_warps: int) -> GeneratedKernel:
@@ -395,10 +437,18 @@ class _Reduction:
         self.slots = _table_preamble(region, self.code)
         self.early = _prologue_outputs(region, self.red)
         self.stats: dict = {}
+        self.emitters: list[Emitter] = []
 
     def emitter(self, code: Code, tile: Tile, stored: dict | None = None) -> Emitter:
-        return Emitter(code, tile, members=self.members, loads=self.loads, stored=stored, stats=self.stats,
-                       pieces=dict(self.launch.pieces), tables=self.slots)
+        em = Emitter(code, tile, members=self.members, loads=self.loads, stored=stored, stats=self.stats,
+                     pieces=dict(self.launch.pieces), tables=self.slots)
+        self.emitters.append(em)
+        return em
+
+    def rows_adjacent(self, row: Index) -> bool:
+        """:func:`rows_adjacent` for everything the passes emitted so far."""
+        accesses = [a for em in self.emitters for a in em.accesses]
+        return rows_adjacent(self.region, self.loads, self.outs, accesses, row)
 
     def reduction_input(self, em: Emitter, index: Index) -> str:
         """fp32 code of the reduction's input at ``index``, with the prologue outputs stored."""
@@ -494,7 +544,71 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     t.epilogue(t.emitter(body, Tile(index, f"[1, {block}]", None, "mask2", None, aligned_columns=block), stored=t.stored()),
                index)
     code.extend(body)
+    if t.rows_adjacent(row):
+        return _layer_norm_row_blocks(_Reduction(region, launch), launch)
     return t.kernel({}, (t.n_rows,), ln_k.NUM_WARPS)
+
+
+#: (rows, warps) per program of the LayerNorm template for wide rows whose operands lie with their
+#: rows adjacent in memory: each of ATen's thread vectors is then four loads of 16 consecutive
+#: rows (32 bytes of bf16, a whole sector). Not yet swept on the GPU.
+LAYER_NORM_ROW_BLOCK = (16, 8)
+
+
+def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
+    """:func:`_layer_norm` for rows whose elements lie far apart and whose neighbours are adjacent
+    (:func:`rows_adjacent`): ROWS rows per program, each of ATen's 128 threads a lane of [ROWS, 128]
+    states. Iteration j loads element i of every thread's vector ``j * 128 + t`` as one [ROWS, 128]
+    tile (column ``4 * (j * 128 + t) + i``: each load is ROWS consecutive elements of memory per
+    column) and folds it in ATen's order (``ln_k.welford_elements``); the states combine in ATen's
+    tree (``ln_k.lanes_finish``, 128 lanes); pass 2 writes [ROWS, 256] tiles."""
+    from exactdit.kernels import layer_norm as ln_k
+
+    code, width = t.code, t.width
+    rows, warps = LAYER_NORM_ROW_BLOCK
+    threads = ln_k.THREADS
+    n_vec = width // 4
+    n_iter = -(-n_vec // threads)
+    unroll = n_iter <= ln_k.MAX_UNROLL
+    full = width % (4 * threads) == 0
+    choices = ln_k.CHOICES
+    per_lane = width // threads if full and width <= ln_k.MAX_CONSTANT_COUNT else 0
+    code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
+    code.line(f"row_ok = rows < {t.n_rows}")
+    row = tuple(_row_atoms(code, "rows", launch.shape))
+    code.line(f"eps = {_eps32(t.red, 4)}")
+    for v in ("mean", "m2", "cnt"):
+        code.line(f"{v} = tl.zeros([{rows}, {threads}], tl.float32)")
+    code.line(f"for j in tl.static_range({n_iter}):" if unroll else f"for j in range(0, {n_iter}):")
+    body = code.scope("        ")
+    elements = []
+    for i in range(4):
+        body.line(f"cols{i} = (j * {threads} + tl.arange(0, {threads})[None, :]) * 4 + {i}")
+        body.line(f"mask{i} = row_ok & (cols{i} < {width})")
+        index = row + (Ix.of(Atom(f"cols{i}", width, True)),)
+        em = t.emitter(body, Tile(index, f"[{rows}, {threads}]", f"[{rows}, 1]", f"mask{i}", "row_ok"))
+        elements.append(t.reduction_input(em, index))
+    body.line(f"mean, m2, cnt = ln_k.welford_elements({', '.join(elements)}, j, {n_vec}, mean, m2, cnt, {threads}, "
+              f"{choices['rcp_approx']}, {unroll and not choices['rcp_approx']}, {full})")
+    code.extend(body)
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {rows}, {threads}, {per_lane}, "
+              f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
+    code.line("mean_r = mean_r[:, None]")
+    code.line("rstd_r = rstd_r[:, None]")
+    if t.early:
+        code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
+    t.set_stats(row, mean=Val("mean_r", torch.float32, 1), rstd=Val("rstd_r", torch.float32, 1))
+    block = min(256, next_power_of_2(width))
+    n_out = -(-width // block)
+    code.line(f"for k2 in tl.static_range({n_out}):" if unroll else f"for k2 in range(0, {n_out}):")
+    body = code.scope("        ")
+    body.line(f"cols = k2 * {block} + tl.arange(0, {block})[None, :]")
+    body.line(f"mask = row_ok & (cols < {width})")
+    index = row + (Ix.of(Atom("cols", width, True)),)
+    t.epilogue(t.emitter(body, Tile(index, f"[{rows}, {block}]", f"[{rows}, 1]", "mask", "row_ok",
+                                    aligned_columns=block), stored=t.stored()), index)
+    code.extend(body)
+    return t.kernel({}, (-(-t.n_rows // rows),), warps)
 
 
 def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
@@ -518,7 +632,8 @@ def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     x = t.reduction_input(em, index)
     choices = ln_k.CHOICES
     code.line(f"mean, m2, cnt = ln_k.welford_lanes({x}, {block_r}, {lanes}, {width // 4})")
-    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {block_r}, {lanes}, {width // 4}, "
+    per_lane = 4 if width // 4 == lanes else 0
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {block_r}, {lanes}, {per_lane}, "
               f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
     code.line("mean_r = mean_r[:, None]")
     code.line("rstd_r = rstd_r[:, None]")

@@ -161,18 +161,27 @@ def _welford_step(v, mean, m2, rcp):
 @triton.jit
 def welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr,
                    FULL: tl.constexpr):
-    """Iteration ``j`` of every thread's loop: thread t folds the 4 fp32 values ``tile[t]`` of
-    its vector ``j * 128 + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
+    """:func:`welford_elements` for one row's 128 threads, thread t's vector ``j * 128 + t`` the
+    row ``tile[t]`` of a [128, 4] tile (fp32)."""
+    even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    return welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, 128, RCP_APPROX, CONST_RCP, FULL)
+
+
+@triton.jit
+def welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, LANES: tl.constexpr, RCP_APPROX: tl.constexpr,
+                     CONST_RCP: tl.constexpr, FULL: tl.constexpr):
+    """Iteration ``j`` of every thread's loop: thread t (the last axis of the states, LANES
+    threads; leading axes are rows) folds the fp32 elements ``v0 .. v3`` of its vector
+    ``j * LANES + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
     delta = v - mean; cnt += 1; mean = fma(delta, 1 / cnt, mean); m2 = fma(delta, v - mean, m2).
     The count of an element is the same for every thread that has it (4 * j + i + 1). With
     CONST_RCP (j a constexpr) ``1 / count`` is a compile-time constant: the fp32 rounding of
     Python's float64 ``1 / c`` equals the correctly rounded fp32 ``1 / c`` for every c <= 4096
     (checked in the tests), so it equals ATen's ``div.rn`` result. FULL: every thread has
-    vector j (D % 512 == 0), so no masks."""
-    valid = j * 128 + tl.arange(0, 128) < n_vec
-    even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
-    v0, v2 = tl.split(even)
-    v1, v3 = tl.split(odd)
+    vector j, so no masks."""
+    valid = j * LANES + tl.arange(0, LANES) < n_vec
     base = tl.full((), j * 4, tl.float32)  # exact: counts stay far below 2**24
     for i in tl.static_range(4):
         if i == 0:
@@ -291,15 +300,9 @@ def welford_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr, N_VEC: tl.constexp
     """Thread states (mean, m2, count), each [ROWS, LANES], after every thread t < N_VEC folded
     its one vector (columns 4t .. 4t + 3 of the row tile ``x`` [ROWS, 4 * LANES], fp32) into
     ATen's initial zero state; threads t >= N_VEC keep that state."""
-    mean = tl.zeros([ROWS, LANES], tl.float32)
-    m2 = tl.zeros([ROWS, LANES], tl.float32)
+    zero = tl.zeros([ROWS, LANES], tl.float32)
     v0, v1, v2, v3 = vector_elements(x, ROWS, LANES)
-    mean, m2 = _welford_step(v0, mean, m2, 1.0)
-    mean, m2 = _welford_step(v1, mean, m2, 1.0 / 2)
-    mean, m2 = _welford_step(v2, mean, m2, 1.0 / 3)
-    mean, m2 = _welford_step(v3, mean, m2, 1.0 / 4)
-    has = (tl.arange(0, LANES) < N_VEC)[None, :]
-    return tl.where(has, mean, 0.0), tl.where(has, m2, 0.0), tl.where(has, tl.full([ROWS, LANES], 4.0, tl.float32), 0.0)
+    return welford_elements(v0, v1, v2, v3, 0, N_VEC, zero, zero, zero, LANES, False, True, N_VEC == LANES)
 
 
 @triton.jit
@@ -324,15 +327,16 @@ def _halving_step(mean, m2, cnt, ROWS: tl.constexpr, HALF: tl.constexpr, MEAN_FM
 
 
 @triton.jit
-def lanes_finish(mean, m2, cnt, width, eps, ROWS: tl.constexpr, LANES: tl.constexpr, N_VEC: tl.constexpr,
+def lanes_finish(mean, m2, cnt, width, eps, ROWS: tl.constexpr, LANES: tl.constexpr, PER_LANE: tl.constexpr,
                  MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
-    """(mean, rstd), each [ROWS], from :func:`welford_lanes`' states: :func:`welford_finish`'s
-    tree (offsets 16..1 inside each warp, then warp w takes w + 2, then w + 1) with the lanes
-    past N_VEC empty. When every lane holds a vector (N_VEC == LANES) the counts of each step
-    are known, and so are the reciprocals."""
+    """(mean, rstd), each [ROWS], from the states [ROWS, LANES] of threads 0 .. LANES - 1
+    (:func:`welford_lanes`, :func:`welford_elements`): :func:`welford_finish`'s tree (offsets
+    16..1 inside each warp, then warp w takes w + 2, then w + 1), the threads past LANES empty.
+    PER_LANE > 0: every one of the LANES threads holds that many elements, so the counts of
+    each step are known, and so are the reciprocals."""
     WARPS: tl.constexpr = (LANES + 31) // 32
     L: tl.constexpr = LANES // WARPS  # live lanes of each warp
-    C: tl.constexpr = 4 if N_VEC == LANES and not RCP_APPROX else 0  # elements per live lane
+    C: tl.constexpr = PER_LANE if not RCP_APPROX else 0  # elements per live lane
     mean = tl.reshape(mean, [ROWS * WARPS, L])
     m2 = tl.reshape(m2, [ROWS * WARPS, L])
     cnt = tl.reshape(cnt, [ROWS * WARPS, L])

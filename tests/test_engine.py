@@ -215,6 +215,34 @@ def test_norm_read_through_a_cat_of_its_slices_along_the_sequence():
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
+def test_rope_on_a_transposed_view_moves_partners_between_lanes(head_dim):
+    """HunyuanVideo's single block: q (B, L, H * D) viewed per head and transposed to (B, H, L, D),
+    RMSNorm per head, interleaved RoPE on the image tokens (a slice along L), cat with the text
+    tokens. The RoPE's rows are the domain's in another order: its rotary partner still moves
+    between lanes (no second load of the row at the partner's columns)."""
+    g = torch.Generator().manual_seed(head_dim)
+    img, txt, heads = 6, 5, 3
+    x = rand((1, img + txt, heads * head_dim), torch.bfloat16, "cpu", g)
+    w = rand((head_dim,), torch.bfloat16, "cpu", g)
+    table = rand((img, head_dim), torch.float32, "cpu", g)
+
+    def build(b, x, w, table):
+        per_head = b.op(aten.transpose.int, b.op(aten.view.default, x, [1, img + txt, heads, head_dim]), 1, 2)
+        x32 = b.op(aten._to_copy.default, per_head, dtype=torch.float32)
+        var = b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, x32, 2), [-1], True)
+        h = b.op(aten.mul.Tensor, x32, b.op(aten.rsqrt.default, b.op(aten.add.Tensor, var, 1e-6)))
+        n = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, h, dtype=torch.bfloat16), w)
+        image, text = b.op(aten.slice.Tensor, n, 2, 0, img), b.op(aten.slice.Tensor, n, 2, img, img + txt)
+        return [b.op(aten.cat.default, [rope_graph(b, image, table), text], 2)]
+
+    sources = []
+    report = _rewritten_run(build, [x, w, table], sources)
+    assert len(report.regions) == 1, report.lines()
+    _assert_partners_move_between_lanes(sources)
+    assert not any("// 2) * 2" in s for s in sources), sources
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
 def test_rotate_half_rope_after_a_per_head_rms_norm(head_dim):
     """ERNIE-Image's RoPE, ``cat([-x2, x1]) * sin + x * cos`` (bf16), after diffusers' RMSNorm:
     each half's partner is the other half's lane, one exchange serves both cat pieces."""

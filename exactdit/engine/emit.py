@@ -232,14 +232,17 @@ class Emitter:
     def _gathered(self, node: fx.Node, index: Index) -> Val | None:
         """``node`` at other columns of the tile's own rows (a rotary partner, a permutation
         within the row), taken from ``node`` computed at the tile's columns: one set of loads and
-        arithmetic serves both. Needs a node indexed like the domain (same rows, same width) and
+        arithmetic serves both. Needs a node whose rows are the tile's (indices of the leading dims
+        that do not depend on the column) and as wide, and
         either a column the tile's aligned block holds (``c & ~1``, ``c | 1``, ``c ^ d``: a lane
         move, :meth:`_lane_move`) or whole rows (any column: ``tl.gather``)."""
         tile = self.tile
         column = tile.domain[-1]
         if index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
             return None
-        if shape_of(node)[-1] != column.bound or len(index) != len(tile.domain) or index[:-1] != tile.domain[:-1]:
+        # the other dims may be the tile's rows in another order (a RoPE on a transposed view of
+        # the domain): what matters is that they name the lane's own row, whatever its column
+        if shape_of(node)[-1] != column.bound or any(ix.per_element for ix in index[:-1]):
             return None
         move = self._lane_move(index[-1], dtype_of(node)) if tile.aligned_columns > 1 else None
         if move is None and not tile.whole_rows:

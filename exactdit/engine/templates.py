@@ -267,7 +267,7 @@ def rows_adjacent(region: Region, loads: dict, outs: list[Operand], accesses, ro
     vals.update((op.ptr, n.meta.get("val")) for n, op in zip(region.outputs, outs))
     for op, index in accesses:
         val = vals.get(op.ptr)
-        if not isinstance(val, torch.Tensor) or val.dim() != len(index) or val.dim() < 2 or val.stride()[-1] == 1:
+        if not isinstance(val, torch.Tensor) or val.dim() != len(index) or val.dim() < 2 or val.stride()[-1] <= 1:
             continue
         along_rows = sum(c * st for ix, st in zip(index, val.stride()) for a, c in ix.terms if a == inner)
         if along_rows == 1:

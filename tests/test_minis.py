@@ -37,6 +37,21 @@ def test_captured_blocks_equal_cuda_order(name):
     assert sum(len(r.regions) for r in reports) >= len(reports)
 
 
+def test_each_capture_counts_the_blocks_that_ran_it():
+    """HunyuanVideo's first single block gets its image stream in the patch embedding's layout, the
+    others in the row-major layout of the cat before them: two graphs of one class, each credited
+    with the blocks that ran it (what the coverage report weights its times by)."""
+    tr = minis.build("hunyuan-video", dtype=torch.bfloat16, seed=4)
+    graphs = capture_graphs(tr, minis.forward_inputs("hunyuan-video", tr, batch=1, seed=5))
+    calls = {}
+    for cls, gm, _ in graphs:
+        assert gm.meta["calls"] >= 1
+        calls.setdefault(cls, []).append(gm.meta["calls"])
+    assert len(calls["HunyuanVideoSingleTransformerBlock"]) == 2
+    for cls, counts in calls.items():
+        assert sum(counts) == sum(type(m).__name__ == cls for m in tr.modules()), (cls, counts)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_patch_captures_every_block(name):
     tr = minis.build(name, dtype=torch.float32, seed=4)

@@ -37,18 +37,21 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
 def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
     """The ATen inference graphs of ``model``'s repeated blocks (captured as
     ``compile_repeated_blocks`` captures them: one backend per block class) and the inputs of each
-    graph's first call: [(block class, graph module, inputs)]. The model runs one forward;
-    nothing is rewritten."""
+    graph's first call: [(block class, graph module, inputs)]; ``gm.meta["calls"]``: how many
+    blocks of the forward ran that graph (a class is captured again where its inputs change
+    layout: HunyuanVideo's first single block). The model runs one forward; nothing is rewritten."""
     captured: list = []
 
     def backend_for(label: str):
         def compiler(gm, example_inputs):
             entry = [label, gm, None]
             captured.append(entry)
+            gm.meta["calls"] = 0
 
             def run(*args):
                 if entry[2] is None:
                     entry[2] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                gm.meta["calls"] += 1
                 return gm(*args)
 
             return run

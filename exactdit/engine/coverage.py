@@ -97,7 +97,7 @@ class GraphTime:
     """Eager per-op time of one captured block graph, split by what the engine does with it."""
 
     name: str
-    blocks: int  # blocks of the model this graph runs for (0 for a recapture of a class)
+    blocks: int  # blocks of the model's forward that ran this graph
     gemm_attention_ms: float
     other_ms: float  # every other ATen kernel
     fused_away_ms: float  # of ``other_ms``, the ops the engine's regions replace
@@ -115,16 +115,12 @@ def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, 
     partition's nodes belong to the prepared copy of the graph (same names as the captured nodes
     they stand for)."""
     from exactdit.engine.backend import COPY_OF, prepare
-    from exactdit.engine.capture import NodeTimer, capture_graphs, repeated_blocks
+    from exactdit.engine.capture import NodeTimer, capture_graphs
     from exactdit.engine.partition import _is_compute, find_regions
 
-    blocks = collections.Counter(type(m).__name__ for m in model.modules()
-                                 if type(m).__name__ in set(repeated_blocks(model)))
-    seen: set = set()
     out = []
     for k, (cls, gm, inputs) in enumerate(capture_graphs(model, kwargs)):
-        weight = blocks.get(cls, 1) if cls not in seen else 0  # a recapture runs no further block
-        seen.add(cls)
+        weight = gm.meta["calls"]  # the blocks that ran this graph (a recapture takes its own)
         node_timer = (timer or NodeTimer)(gm)
         ms = node_timer.timed(inputs)
         # regions of the graph as rewrite() prepares it (copies keep their origin's name), eager

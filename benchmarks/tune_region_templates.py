@@ -10,7 +10,11 @@
 * ``layer_norm_rows`` (LayerNorm over rows of at most 512): rows per program, warps
   (``templates.layer_norm_rows_launch``);
 * ``tables`` (pointwise regions with bf16 function tables): row tiles per program, which is how
-  often a program loads its tables (``templates.TABLE_TILES``).
+  often a program loads its tables (``templates.TABLE_TILES``);
+* ``rows_adjacent`` (regions over operands whose rows lie adjacent in memory, HunyuanVideo's image
+  stream): the pointwise tile and the LayerNorm's rows and warps per program
+  (``templates.ROWS_ADJACENT_TILE``, ``templates.LAYER_NORM_ROW_BLOCK``), e.g.
+  ``--mini hunyuan-video --graph HunyuanVideoTransformerBlock``.
 None of these changes a row's order of additions or any value; each variant's outputs are still
 compared with the region's ATen nodes (torch.equal) before it is timed (CUDA-graph replays).
 Prints one line per region and variant (time, multiple of the region's memory floor) and writes
@@ -65,11 +69,26 @@ def _table_variants():
                [(templates, "TABLE_TILES", tiles), (templates, "ELEMENTWISE_TILE", tile), (rows_k, "ELEMENTWISE_TILE", tile)])
 
 
+def _rows_adjacent_variants():
+    for tile, block in itertools.product([(32, 64), (64, 64), (64, 128), (128, 64)], [(8, 4), (16, 4), (16, 8), (32, 8)]):
+        yield (f"tile={tile[0]}x{tile[1]} ln_rows={block[0]} ln_warps={block[1]}",
+               [(templates, "ROWS_ADJACENT_TILE", tile), (templates, "LAYER_NORM_ROW_BLOCK", block)])
+
+
+def _rows_adjacent(region) -> bool:
+    """Whether the region's kernels were made for operands with adjacent rows (LayerNorm row blocks,
+    or the square pointwise tile, which the row-major tiles never are)."""
+    square = (templates.ROWS_ADJACENT_TILE[0], templates.ROWS_ADJACENT_TILE[1])
+    return any("ln_k.welford_elements" in k.source or
+               (dict(k.constexprs).get("BLOCK_R"), dict(k.constexprs).get("BLOCK_C")) == square for k in region.kernels)
+
+
 SWEEPS = {
     "mean": (lambda r: r.kind == "mean", _mean_variants),
     "fused_rms_norm": (lambda r: r.kind == "fused_rms_norm", _fused_rms_variants),
     "tables": (lambda r: r.kind == "pointwise" and bool(r.tables), _table_variants),
     "layer_norm_rows": (lambda r: r.kind == "layer_norm" and r.domain[-1] <= 512, _layer_norm_rows_variants),
+    "rows_adjacent": (_rows_adjacent, _rows_adjacent_variants),
 }
 
 
@@ -77,11 +96,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--template", choices=sorted(SWEEPS), default="mean")
     add_model_args(ap)
+    ap.add_argument("--graph", default=None, help="sweep the regions of the first captured graph of this block class "
+                                                  "(default: the first captured graph)")
     args = ap.parse_args()
     os.environ["EXACTDIT_TRUST"] = "1"  # equality is checked here, once per variant
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    graph, timer, partition = coverage.measure(tr, kw)[0]
+    measured = coverage.measure(tr, kw)
+    graph, timer, partition = next(m for m in measured if args.graph in (None, m[0].name))
     values = {n.name: v for n, v in timer.values.items()}
     picks, variants = SWEEPS[args.template]
     results = []

@@ -499,6 +499,46 @@ def layer_norm_rows_launch(width: int) -> tuple[int, int]:
     return max(1, 2048 // next_power_of_2(width)), 4
 
 
+@dataclasses.dataclass(frozen=True)
+class _ThreadLoop:
+    """How each of ATen's 128 LayerNorm threads walks a row: its vectors ``j * 128 + t`` for ``j``
+    below ``iterations`` (unrolled up to ``ln_k.MAX_UNROLL``, so that ``1 / count`` is a constant);
+    ``full``: every thread has a vector in every iteration (no masks); ``per_thread``: the elements
+    each thread holds when that is the same for all and the tree's reciprocals can be constants,
+    else 0."""
+
+    width: int
+    iterations: int
+    unroll: bool
+    full: bool
+    per_thread: int
+
+    @staticmethod
+    def of(width: int) -> "_ThreadLoop":
+        from exactdit.kernels import layer_norm as ln_k
+
+        iterations = -(-(width // 4) // ln_k.THREADS)
+        full = width % (4 * ln_k.THREADS) == 0
+        constant = full and not ln_k.CHOICES["rcp_approx"] and width <= ln_k.MAX_CONSTANT_COUNT
+        return _ThreadLoop(width, iterations, iterations <= ln_k.MAX_UNROLL, full,
+                           width // ln_k.THREADS if constant else 0)
+
+    def begin(self, code: Code, var: str = "j", trips: int | None = None) -> Code:
+        """A loop over the iterations (or ``trips``), unrolled like the statistics loop; its body."""
+        n = self.iterations if trips is None else trips
+        code.line(f"for {var} in tl.static_range({n}):" if self.unroll else f"for {var} in range(0, {n}):")
+        return code.scope("        ")
+
+    @property
+    def update_args(self) -> str:
+        """The arguments of ``ln_k.welford_update`` after the tile (of ``welford_elements`` after
+        the elements, but the lane count)."""
+        from exactdit.kernels import layer_norm as ln_k
+
+        approx = ln_k.CHOICES["rcp_approx"]
+        return f"j, {self.width // 4}, mean, m2, cnt, {approx}, {self.unroll and not approx}, {self.full}"
+
+
 def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's ``vectorized_layer_norm_kernel``: 128 Welford "threads" per row; one row per
     program, or for rows of at most 512 several rows per program (:func:`_layer_norm_rows`)."""
@@ -508,36 +548,28 @@ def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     code, width = t.code, t.width
     if width <= 4 * ln_k.THREADS:
         return _layer_norm_rows(t, launch)
-    n_vec = width // 4
-    n_iter = -(-n_vec // ln_k.THREADS)
-    unroll = n_iter <= ln_k.MAX_UNROLL
-    full = width % (4 * ln_k.THREADS) == 0
+    loop = _ThreadLoop.of(width)
     choices = ln_k.CHOICES
-    tree_count = width // ln_k.THREADS if full and not choices["rcp_approx"] and width <= ln_k.MAX_CONSTANT_COUNT else 0
     code.line("row = tl.program_id(0)")
     row = tuple(_row_atoms(code, "row", launch.shape))
     code.line(f"eps = {_eps32(t.red, 4)}")
     for v in ("mean", "m2", "cnt"):
         code.line(f"{v} = tl.zeros((128,), tl.float32)")
-    code.line(f"for j in tl.static_range({n_iter}):" if unroll else f"for j in range(0, {n_iter}):")
-    body = code.scope("        ")
+    body = loop.begin(code)
     body.line("cols1 = ln_k.vector_columns(j)")
     body.line(f"mask1 = cols1 < {width}")
     em = t.emitter(body, Tile(row + (Ix.of(Atom("cols1", width, True)),), "[128, 4]", None, "mask1", None,
                               aligned_columns=4))
     x = t.reduction_input(em, row + (Ix.of(Atom("cols1", width, True)),))
-    body.line(f"mean, m2, cnt = ln_k.welford_update({x}, j, {n_vec}, mean, m2, cnt, {choices['rcp_approx']}, "
-              f"{unroll and not choices['rcp_approx']}, {full})")
+    body.line(f"mean, m2, cnt = ln_k.welford_update({x}, {loop.update_args})")
     code.extend(body)
     code.line(f"mean_r, rstd_r = ln_k.welford_finish(mean, m2, cnt, {width}, eps, "
-              f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']}, {tree_count})")
+              f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']}, {loop.per_thread})")
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
     t.set_stats(row, mean=Val("mean_r", torch.float32, 1), rstd=Val("rstd_r", torch.float32, 1))
     block = min(2048, max(512, next_power_of_2(width)))
-    n_out = -(-width // block)
-    code.line(f"for k2 in tl.static_range({n_out}):" if unroll else f"for k2 in range(0, {n_out}):")
-    body = code.scope("        ")
+    body = loop.begin(code, "k2", -(-width // block))
     body.line(f"cols2 = k2 * {block} + tl.arange(0, {block})[None, :]")
     body.line(f"mask2 = cols2 < {width}")
     index = row + (Ix.of(Atom("cols2", width, True)),)
@@ -567,20 +599,15 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     code, width = t.code, t.width
     rows, warps = LAYER_NORM_ROW_BLOCK
     threads = ln_k.THREADS
-    n_vec = width // 4
-    n_iter = -(-n_vec // threads)
-    unroll = n_iter <= ln_k.MAX_UNROLL
-    full = width % (4 * threads) == 0
+    loop = _ThreadLoop.of(width)
     choices = ln_k.CHOICES
-    per_lane = width // threads if full and width <= ln_k.MAX_CONSTANT_COUNT else 0
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     code.line(f"eps = {_eps32(t.red, 4)}")
     for v in ("mean", "m2", "cnt"):
         code.line(f"{v} = tl.zeros([{rows}, {threads}], tl.float32)")
-    code.line(f"for j in tl.static_range({n_iter}):" if unroll else f"for j in range(0, {n_iter}):")
-    body = code.scope("        ")
+    body = loop.begin(code)
     elements = []
     for i in range(4):
         body.line(f"cols{i} = (j * {threads} + tl.arange(0, {threads})[None, :]) * 4 + {i}")
@@ -588,10 +615,9 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
         index = row + (Ix.of(Atom(f"cols{i}", width, True)),)
         em = t.emitter(body, Tile(index, f"[{rows}, {threads}]", f"[{rows}, 1]", f"mask{i}", "row_ok"))
         elements.append(t.reduction_input(em, index))
-    body.line(f"mean, m2, cnt = ln_k.welford_elements({', '.join(elements)}, j, {n_vec}, mean, m2, cnt, {threads}, "
-              f"{choices['rcp_approx']}, {unroll and not choices['rcp_approx']}, {full})")
+    body.line(f"mean, m2, cnt = ln_k.welford_elements({', '.join(elements)}, {loop.update_args}, {threads})")
     code.extend(body)
-    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {rows}, {threads}, {per_lane}, "
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {rows}, {threads}, {loop.per_thread}, "
               f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
     code.line("mean_r = mean_r[:, None]")
     code.line("rstd_r = rstd_r[:, None]")
@@ -599,9 +625,7 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
     t.set_stats(row, mean=Val("mean_r", torch.float32, 1), rstd=Val("rstd_r", torch.float32, 1))
     block = min(256, next_power_of_2(width))
-    n_out = -(-width // block)
-    code.line(f"for k2 in tl.static_range({n_out}):" if unroll else f"for k2 in range(0, {n_out}):")
-    body = code.scope("        ")
+    body = loop.begin(code, "k2", -(-width // block))
     body.line(f"cols = k2 * {block} + tl.arange(0, {block})[None, :]")
     body.line(f"mask = row_ok & (cols < {width})")
     index = row + (Ix.of(Atom("cols", width, True)),)

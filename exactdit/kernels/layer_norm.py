@@ -166,12 +166,12 @@ def welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONS
     even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # elements (0, 2) and (1, 3)
     v0, v2 = tl.split(even)
     v1, v3 = tl.split(odd)
-    return welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, 128, RCP_APPROX, CONST_RCP, FULL)
+    return welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, RCP_APPROX, CONST_RCP, FULL, 128)
 
 
 @triton.jit
-def welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, LANES: tl.constexpr, RCP_APPROX: tl.constexpr,
-                     CONST_RCP: tl.constexpr, FULL: tl.constexpr):
+def welford_elements(v0, v1, v2, v3, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr,
+                     FULL: tl.constexpr, LANES: tl.constexpr):
     """Iteration ``j`` of every thread's loop: thread t (the last axis of the states, LANES
     threads; leading axes are rows) folds the fp32 elements ``v0 .. v3`` of its vector
     ``j * LANES + t`` (if the row has it) into its Welford state (``cuWelfordOnlineSum``):
@@ -302,7 +302,7 @@ def welford_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr, N_VEC: tl.constexp
     ATen's initial zero state; threads t >= N_VEC keep that state."""
     zero = tl.zeros([ROWS, LANES], tl.float32)
     v0, v1, v2, v3 = vector_elements(x, ROWS, LANES)
-    return welford_elements(v0, v1, v2, v3, 0, N_VEC, zero, zero, zero, LANES, False, True, N_VEC == LANES)
+    return welford_elements(v0, v1, v2, v3, 0, N_VEC, zero, zero, zero, False, True, N_VEC == LANES, LANES)
 
 
 @triton.jit

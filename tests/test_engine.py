@@ -171,6 +171,14 @@ def test_rows_adjacent_in_memory_take_tiles_of_many_rows(width, dtype):
     _rewritten_run(gated_residual, [x, attn, gate], kernels=kernels)
     assert [dict(k.constexprs)["BLOCK_R"] for k in kernels] == [templates.ROWS_ADJACENT_TILE[0]]
 
+    def norm_of_cat(b, x, text, scale):  # HunyuanVideo's first single block: the streams joined, then normed
+        ln = b.op(aten.native_layer_norm.default, b.op(aten.cat.default, [x, text], 1), [width], None, None, 1e-6)[0]
+        return [b.op(aten.mul.Tensor, ln, b.op(aten.unsqueeze.default, scale, 1))]
+
+    sources = []
+    _rewritten_run(norm_of_cat, [x, rand((1, 5, width), dtype, "cpu", g), scale], sources)
+    assert any("ln_k.welford_elements" in src for src in sources)
+
 
 @pytest.mark.parametrize("head_dim", [32, 128, 1024, 2560])
 def test_fused_rms_norm_cat_and_rope(head_dim):

@@ -269,7 +269,8 @@ def rows_adjacent(region: Region, loads: dict, outs: list[Operand], accesses, ro
         val = vals.get(op.ptr)
         if not isinstance(val, torch.Tensor) or val.dim() != len(index) or val.dim() < 2 or val.stride()[-1] <= 1:
             continue
-        along_rows = sum(c * st for ix, st in zip(index, val.stride()) for a, c in ix.terms if a == inner)
+        # by code: inside a cat piece the same atom carries the piece's tighter bound
+        along_rows = sum(c * st for ix, st in zip(index, val.stride()) for a, c in ix.terms if a.code == inner.code)
         if along_rows == 1:
             return True
     return False

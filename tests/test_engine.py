@@ -153,17 +153,17 @@ def test_layer_norm_per_head_many_rows_per_program(head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("width", [516, 1024, 1536])
-def test_rows_adjacent_in_memory_take_tiles_of_many_rows(width, dtype):
+@pytest.mark.parametrize("width,batch", [(516, 1), (1024, 2), (1536, 1)])
+def test_rows_adjacent_in_memory_take_tiles_of_many_rows(width, batch, dtype):
     """An activation in the (B, C, L) memory of a patch embedding (HunyuanVideo's image stream):
     the LayerNorm region and a lone gated residual read and write it in tiles of many rows (the
-    LayerNorm's statistics in ATen's thread order all the same); a row count no tile divides;
-    widths with every thread holding a vector in every iteration or not."""
+    LayerNorm's statistics in ATen's thread order all the same); a row count no tile divides, tiles
+    across two batch items; widths with every thread holding a vector in every iteration or not."""
     g = torch.Generator().manual_seed(width)
     seq = 37
-    x = rand((1, width, seq), dtype, "cpu", g).transpose(1, 2)  # (1, seq, width), rows adjacent
-    attn, mlp = rand((1, seq, width), dtype, "cpu", g), rand((1, seq, width), dtype, "cpu", g)
-    gate, scale, shift = (rand((1, width), dtype, "cpu", g) for _ in range(3))
+    x = rand((batch, width, seq), dtype, "cpu", g).transpose(1, 2)  # (B, seq, width), rows adjacent
+    attn, mlp = rand((batch, seq, width), dtype, "cpu", g), rand((batch, seq, width), dtype, "cpu", g)
+    gate, scale, shift = (rand((batch, width), dtype, "cpu", g) for _ in range(3))
     sources, kernels = [], []
     report = _rewritten_run(rows_adjacent_block, [x, attn, mlp, gate, scale, shift], sources)
     assert any("layer_norm" in d for d, _ in report.regions.values()), report.why_left
@@ -176,7 +176,7 @@ def test_rows_adjacent_in_memory_take_tiles_of_many_rows(width, dtype):
         return [b.op(aten.mul.Tensor, ln, b.op(aten.unsqueeze.default, scale, 1))]
 
     sources = []
-    _rewritten_run(norm_of_cat, [x, rand((1, 5, width), dtype, "cpu", g), scale], sources)
+    _rewritten_run(norm_of_cat, [x, rand((batch, 5, width), dtype, "cpu", g), scale], sources)
     assert any("ln_k.welford_elements" in src for src in sources)
 
 

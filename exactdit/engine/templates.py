@@ -10,6 +10,11 @@
   modulation, RoPE, ...) from the statistics. A prologue value the region must also return is
   stored in pass 1 and read back in pass 2.
 
+Where an operand's rows lie adjacent in memory (:func:`rows_adjacent`: a patch embedding's
+(B, C, L) output, flattened and transposed), ``pointwise`` and ``layer_norm`` regenerate their
+kernel over tiles of many rows (:data:`ROWS_ADJACENT_TILE`, :func:`_layer_norm_row_blocks`); no
+value or order of additions changes.
+
 Every template produces a :class:`GeneratedKernel`: source text, the order of its arguments and
 its launch grid.
 """

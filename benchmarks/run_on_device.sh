@@ -30,6 +30,9 @@
 #                    HunyuanVideo 480x848x33, LTX-Video 704x1280x81, CogVideoX-5B 480x720x49), with regional
 #                    compile; MINIS="sd3 ..." picks some
 #   minis-profile    profile_engine.py on those released models: ATen ops left eager by time, regions against their floor
+#   rows-adjacent    operands whose rows lie adjacent in memory (a patch embedding's flattened, transposed output):
+#                    the GPU rules test, the minis with that layout, HunyuanVideo 480x848x33 with --breakdown and compile,
+#                    and the sweep of the two launch knobs on its double block
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -130,6 +133,15 @@ for stage in "$@"; do
         timeout 240 python3 benchmarks/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
           tee -a "$OUT/minis_profile.log" | grep -E "left to|model|^\|" | head -40
       done ;;
+    rows-adjacent)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -k rows_adjacent -rf 2>&1 | \
+        grep -v Warn | tee "$OUT/gpu_rows_adjacent.log" | tail -6
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py \
+        -k "hunyuan or wan-vace or skyreels or sana or pixart" -rf 2>&1 | grep -v Warn | tee "$OUT/gpu_minis_rows_adjacent.log" | tail -6
+      timeout 240 python3 benchmarks/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
+        grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"
+      timeout 240 python3 benchmarks/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
+        --graph HunyuanVideoTransformerBlock 2>&1 | grep -v Warn | tee "$OUT/tune_rows_adjacent.log" | tail -40 ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
                   "--model ernie --height 1024 --width 1024"; do

@@ -77,10 +77,10 @@ def _rows_adjacent_variants():
 
 def _rows_adjacent(region) -> bool:
     """Whether the region's kernels were made for operands with adjacent rows (LayerNorm row blocks,
-    or the square pointwise tile, which the row-major tiles never are)."""
-    square = (templates.ROWS_ADJACENT_TILE[0], templates.ROWS_ADJACENT_TILE[1])
+    or the pointwise tile of such operands, which the row-major tiles never are)."""
+    tile = tuple(templates.ROWS_ADJACENT_TILE)
     return any("ln_k.welford_elements" in k.source or
-               (dict(k.constexprs).get("BLOCK_R"), dict(k.constexprs).get("BLOCK_C")) == square for k in region.kernels)
+               (dict(k.constexprs).get("BLOCK_R"), dict(k.constexprs).get("BLOCK_C")) == tile for k in region.kernels)
 
 
 SWEEPS = {

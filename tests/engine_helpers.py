@@ -219,10 +219,10 @@ def rows_adjacent_block(b, x, attn, mlp, gate, scale, shift):
     def per_row(v):
         return b.op(aten.unsqueeze.default, v, 1)
 
-    res = b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, attn, per_row(gate)))
+    res = gated_residual(b, x, attn, gate)[0]
     ln = b.op(aten.native_layer_norm.default, res, [width], None, None, 1e-6)[0]
     mod = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, ln, b.op(aten.add.Tensor, per_row(scale), 1)), per_row(shift))
-    return [mod, b.op(aten.add.Tensor, res, b.op(aten.mul.Tensor, mlp, per_row(gate)))]
+    return [mod, gated_residual(b, res, mlp, gate)[0]]
 
 
 def gated_residual(b, x, attn, gate):

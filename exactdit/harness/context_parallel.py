@@ -24,14 +24,17 @@ MODES = {
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
     """Joins the process group torchrun (or the caller's environment) describes: (rank, world
-    size, this rank's device). NCCL and one GPU per rank where CUDA is present, else gloo on CPU."""
+    size, this rank's device). Where CUDA is present each rank takes GPU ``LOCAL_RANK`` modulo
+    the GPU count, over NCCL by default; ``backend="gloo"`` lets several ranks share one GPU
+    (gloo moves CUDA tensors through the host: the same bits, so equality holds as under NCCL,
+    but its times mean nothing). Without CUDA: gloo on the CPU."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         # rank 0 may work alone for minutes (a 1-GPU baseline) while the others wait
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     rank = dist.get_rank()
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

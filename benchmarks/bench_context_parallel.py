@@ -100,6 +100,7 @@ def main() -> None:
                         for path, ms in (("eager", r["eager_ms"]), ("exactdit", r["exactdit_ms"]))],
                        "benchmarks/bench_context_parallel.py")
         write_json(f"bench_context_parallel_{args.model}_{args.config}.json", {"rows": rows})
+    dist.barrier()  # a rank that leaves while rank 0 still writes can abort its peer
     dist.destroy_process_group()
 
 

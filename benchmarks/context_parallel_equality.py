@@ -69,6 +69,7 @@ def main() -> None:
         write_json(f"context_parallel_equality_{args.model}_{args.config}.json",
                    {"rows": rows, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    dist.barrier()  # a rank that leaves while rank 0 still writes can abort gloo's peer (SIGABRT)
     dist.destroy_process_group()
 
 

@@ -97,3 +97,22 @@ def test_ernie_plan_names_the_arguments_diffusers_passes():
     plan = CP_PLANS["ErnieImageTransformer2DModel"]
     for key in ("layers.0", "layers.*"):
         assert set(plan[key]) <= set(params), key
+
+
+def test_equality_script_runs_under_torchrun(tmp_path):
+    """benchmarks/context_parallel_equality.py, which the device runs (two ranks sharing one GPU
+    over gloo where two GPUs are not lent), on two CPU processes: every rank equal and fused."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+         str(_free_port()), os.path.join(root, "benchmarks", "context_parallel_equality.py"), "--model", "flux",
+         "--config", "tiny", "--height", "64", "--width", "64", "--modes", "ulysses", "--backend", "gloo"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "context_parallel_equality_flux_tiny.json").read_text())["rows"]
+    assert [(r["mode"], r["order"], r["world"]) for r in rows] == [("ulysses", "patch-last", WORLD)]
+    assert all(r["equal"] and r["fused"] > 0 and not r["failed"] for r in rows[0]["per_rank"]), rows

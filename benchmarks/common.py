@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -70,9 +71,7 @@ def model_label(args) -> tuple[str, str]:
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
+    ms = median_ms(functools.partial(torch.empty_like(src).copy_, src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

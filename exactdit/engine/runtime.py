@@ -148,7 +148,7 @@ class RegionOp:
             like = name_of(torch.empty(0, dtype=dtype, device=device))
             lines.append(f"    out{j} = {like}.new_empty_strided({shape!r}, {stride!r})")
         outputs = "".join(f"out{j}, " for j in range(len(outs)))
-        lines += [f"    if poisoned:", f"        poison(({outputs}))", f"    stream = current_stream({device.index})"]
+        lines += ["    if poisoned:", f"        poison(({outputs}))", f"    stream = current_stream({device.index})"]
         tensors = (views, outs, data)
         strides = ([t.stride() for t in views], self._out_strides)
         for plan in self._launches(device):

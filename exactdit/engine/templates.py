@@ -784,7 +784,6 @@ def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
 def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's generic reduction (Reduce.cuh) of ``x.mean(-1)`` for fp32 rows, in the launch
     configuration ATen picks for this row count (:mod:`exactdit.aten_reduce`)."""
-    from exactdit.kernels import rms_norm as rms_k
     from exactdit.ops.rms_norm import _mean_factor, _reduce_config
 
     t = _Reduction(region, launch)

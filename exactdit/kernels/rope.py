@@ -260,7 +260,6 @@ def norm_rope_kernel(
     HALVES: the fast path for full rotation of a power-of-two row of at most 512 (see
     ``_norm_rope_halves``); otherwise the rotate-half partner is reloaded (scalar loads).
     """
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     which = tl.program_id(1).to(tl.int64)
     x_ptr += which * x_delta
     w_ptr += which * w_delta

@@ -28,22 +28,6 @@ from benchmarks.common import add_model_args, write_json  # noqa: E402
 from exactdit.harness import context_parallel as cp  # noqa: E402
 
 
-def _gather_through_all_gather_into_tensor() -> None:
-    """torch 2.11's functional ``all_gather_tensor`` crashes (SIGSEGV) on gloo with CUDA tensors,
-    while ``dist.all_gather_into_tensor`` works: diffusers' gather hooks get the latter (a copy of
-    bits either way)."""
-    import torch.distributed._functional_collectives as funcol
-
-    def all_gather_tensor(t, gather_dim, group, tag=""):
-        pg = group if isinstance(group, dist.ProcessGroup) else group.get_group()
-        n = dist.get_world_size(pg)
-        out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:]))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=pg)
-        return torch.cat(out.chunk(n), dim=gather_dim) if gather_dim != 0 else out
-
-    funcol.all_gather_tensor = all_gather_tensor
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -53,8 +37,6 @@ def main() -> None:
     ap.add_argument("--backend", default=None, choices=["nccl", "gloo"])
     args = ap.parse_args()
     rank, world, device = cp.init_distributed(args.backend)
-    if dist.get_backend() == "gloo" and device.type == "cuda":
-        _gather_through_all_gather_into_tensor()
     from exactdit import gate
     from exactdit.engine import coverage
     from exactdit.patches import engine

@@ -116,3 +116,29 @@ def test_equality_script_runs_under_torchrun(tmp_path):
     rows = json.loads((tmp_path / "context_parallel_equality_flux_tiny.json").read_text())["rows"]
     assert [(r["mode"], r["order"], r["world"]) for r in rows] == [("ulysses", "patch-last", WORLD)]
     assert all(r["equal"] and r["fused"] > 0 and not r["failed"] for r in rows[0]["per_rank"]), rows
+
+
+def _gather_rank(rank: int, port: int, result_dir: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from exactdit.harness.context_parallel import all_gather_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        t = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        same = [torch.equal(all_gather_tensor(t, d, dist.group.WORLD), funcol.all_gather_tensor(t, d, dist.group.WORLD))
+                for d in (0, 1, 2)]
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(same, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_for_ranks_sharing_a_gpu_equals_functional_all_gather(tmp_path):
+    """The all-gather that ranks sharing one GPU over gloo use instead of the functional one
+    (init_distributed installs it there) gathers what the functional one gathers, on each dim."""
+    mp.spawn(_gather_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text()) == [True, True, True]

@@ -27,7 +27,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     size, this rank's device). Where CUDA is present each rank takes GPU ``LOCAL_RANK`` modulo
     the GPU count, over NCCL by default; ``backend="gloo"`` lets several ranks share one GPU
     (gloo moves CUDA tensors through the host: the same bits, so equality holds as under NCCL,
-    but its times mean nothing). Without CUDA: gloo on the CPU."""
+    but its times mean nothing; :func:`all_gather_tensor` stands in for the functional
+    all-gather there). Without CUDA: gloo on the CPU."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         # rank 0 may work alone for minutes (a 1-GPU baseline) while the others wait
@@ -36,9 +37,25 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        if dist.get_backend() == "gloo":
+            import torch.distributed._functional_collectives as funcol
+
+            # torch 2.11's functional all-gather segfaults on gloo with CUDA tensors (diffusers'
+            # gather hooks call it); dist.all_gather_into_tensor works and moves the same bits
+            funcol.all_gather_tensor = all_gather_tensor
     else:
         device = torch.device("cpu")
     return rank, dist.get_world_size(), device
+
+
+def all_gather_tensor(t: torch.Tensor, gather_dim: int, group, tag: str = "") -> torch.Tensor:
+    """``funcol.all_gather_tensor`` (every rank's ``t`` concatenated along ``gather_dim``, in rank
+    order) through ``dist.all_gather_into_tensor``; ``group`` a process group or a 1-D device mesh."""
+    pg = group if isinstance(group, dist.ProcessGroup) else group.get_group()
+    n = dist.get_world_size(pg)
+    out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, t.contiguous(), group=pg)
+    return torch.cat(out.chunk(n), dim=gather_dim) if gather_dim != 0 else out
 
 
 def parallel_config(mode: str, world: int, device: torch.device):

@@ -74,6 +74,35 @@ def test_patched_blocks_match_unpatched_under_ulysses_on_every_rank(tmp_path):
             assert not r["failed"], f"rank {rank}: graphs the engine could not rewrite: {r}"
 
 
+def _uneven_rank(rank: int, port: int, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    from exactdit.harness.context_parallel import compare, use_gloo_stand_ins
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    use_gloo_stand_ins(torch.device("cpu"))
+    try:
+        c = compare("flux", mode="ulysses-anything", seed=3, batch=1, height=48, width=48)
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(equal=c.equal, fused=c.fused_regions, reasons=c.eager_reasons), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uneven_shards_run_diffusers_code_with_the_reason(tmp_path):
+    """``ulysses_anything`` (a 3 x 3 latent: 9 image tokens over two ranks): diffusers' uneven
+    all-to-all runs a collective while Dynamo propagates fake tensors, so no block can be
+    captured; every block runs diffusers' code, counted with that reason, and the output stays
+    the unpatched model's on both ranks."""
+    mp.spawn(_uneven_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    for r in range(WORLD):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["equal"], res
+        assert res["fused"] == 0, res
+        assert any("not captured" in reason for reason in res["reasons"]), res
+
+
 def test_plans_come_from_diffusers_first_then_exactdit():
     from exactdit.harness import models
 

@@ -27,8 +27,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     size, this rank's device). Where CUDA is present each rank takes GPU ``LOCAL_RANK`` modulo
     the GPU count, over NCCL by default; ``backend="gloo"`` lets several ranks share one GPU
     (gloo moves CUDA tensors through the host: the same bits, so equality holds as under NCCL,
-    but its times mean nothing; :func:`all_gather_tensor` stands in for the functional
-    all-gather there). Without CUDA: gloo on the CPU."""
+    but its times mean nothing). Without CUDA: gloo on the CPU. Under gloo the collectives it
+    lacks get stand-ins (:func:`use_gloo_stand_ins`)."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         # rank 0 may work alone for minutes (a 1-GPU baseline) while the others wait
@@ -37,15 +37,42 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        if dist.get_backend() == "gloo":
-            import torch.distributed._functional_collectives as funcol
-
-            # torch 2.11's functional all-gather segfaults on gloo with CUDA tensors (diffusers'
-            # gather hooks call it); dist.all_gather_into_tensor works and moves the same bits
-            funcol.all_gather_tensor = all_gather_tensor
     else:
         device = torch.device("cpu")
+    if dist.get_backend() == "gloo":
+        use_gloo_stand_ins(device)
     return rank, dist.get_world_size(), device
+
+
+def use_gloo_stand_ins(device: torch.device) -> None:
+    """Collectives diffusers calls that gloo cannot run, replaced by ones that move the same bits:
+    the all-gather of uneven shards (``ulysses_anything``'s output hook: gloo's all-gather wants
+    equal sizes) by :func:`all_gather_uneven`, and on CUDA tensors the functional all-gather
+    (torch 2.11 segfaults there) by :func:`all_gather_tensor`."""
+    from diffusers.hooks import context_parallel as cp_hooks
+
+    cp_hooks._all_gather_anything = all_gather_uneven
+    if device.type == "cuda":
+        import torch.distributed._functional_collectives as funcol
+
+        funcol.all_gather_tensor = all_gather_tensor
+
+
+def all_gather_uneven(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim`` in rank order, the sizes along ``dim`` free to
+    differ (diffusers' ``_all_gather_anything``): each rank's shard padded to the largest, gathered,
+    and cut back."""
+    n = dist.get_world_size(group)
+    t = t.contiguous()
+    size = torch.tensor([t.shape[dim]], device=t.device)
+    sizes = [torch.empty_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    padded = t.new_zeros(t.shape[:dim] + (max(sizes),) + t.shape[dim + 1:])
+    padded.narrow(dim, 0, t.shape[dim]).copy_(t)
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, k) for p, k in zip(parts, sizes)], dim=dim)
 
 
 def all_gather_tensor(t: torch.Tensor, gather_dim: int, group, tag: str = "") -> torch.Tensor:
@@ -82,6 +109,7 @@ class Comparison:
     fused_regions: int  # region calls that ran fused, plus verified signatures
     failed_graphs: list  # captured graphs the engine could not rewrite (they ran as captured)
     shape: tuple
+    eager_reasons: dict  # why calls of this model ran diffusers' code (exactdit.report), with counts
 
 
 def prepare(model: str, config: str = "tiny", *, mode: str = "ulysses", device: torch.device | str = "cpu",
@@ -125,6 +153,8 @@ def compare(model: str, config: str = "tiny", *, mode: str = "ulysses", order: s
             out = tr(**kw, return_dict=False)[0]
             exactdit.unpatch(tr)
     report = exactdit.report(show=False)
-    fused = sum(v["fused"] + len(v["verified"]) for k, v in report.items() if k.startswith(type(tr).__name__))
+    name = type(tr).__name__
+    fused = sum(v["fused"] + len(v["verified"]) for k, v in report.items() if k.startswith(name))
     failed = [f"{g.name}: {g.failed}" for g in coverage.graphs() if g.failed]
-    return Comparison(model, mode, order, torch.equal(out, ref), fused, failed, tuple(out.shape))
+    reasons = {r: n for k, v in report.items() if k.startswith(f"engine.{name}") for r, n in v["eager_reasons"].items()}
+    return Comparison(model, mode, order, torch.equal(out, ref), fused, failed, tuple(out.shape), reasons)

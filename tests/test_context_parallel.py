@@ -2,8 +2,8 @@
 
 Each case compares, on both ranks, the patched transformer with the unpatched one under the same
 parallel config (exactdit.harness.context_parallel.compare). Ring attention needs an attention
-backend that returns the log-sum-exp (CUDA only) and uneven shards need gloo's missing uneven
-all-gather, so those run in benchmarks/bench_context_parallel.py on GPUs.
+backend that returns the log-sum-exp (CUDA only), so it runs in benchmarks/bench_context_parallel.py
+on GPUs; uneven shards run here through gloo stand-ins (use_gloo_stand_ins).
 """
 
 import json
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from exactdit.harness.minis import Grid
 from exactdit.parallel import CP_PLANS, context_parallel_plan
 
 WORLD = 2
@@ -61,6 +62,9 @@ CASES = [
     ("wan", "patch-last", dict(height=32, width=32, num_frames=5)),
     ("ernie", "patch-last", IMAGE),  # exactdit's plan
     ("ernie", "patch-first", IMAGE),
+    # a mini model whose class carries a diffusers plan, with an even text length to split (the
+    # LTX-Video mini's plan fails in diffusers' own eager forward: its RoPE is not split)
+    ("flux2", "patch-first", dict(grid=Grid(1, 8, 8, 8))),
 ]
 
 

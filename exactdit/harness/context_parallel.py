@@ -116,14 +116,21 @@ def prepare(model: str, config: str = "tiny", *, mode: str = "ulysses", device: 
             dtype=torch.bfloat16, seed: int = 0, attention_backend: str | None = None, **geometry):
     """(transformer, kwargs of one forward, its ContextParallelConfig): ``model`` built with the
     same seeded weights on every rank, its attention backend set where given (ring attention needs
-    one that returns the log-sum-exp, e.g. "_native_cudnn")."""
-    from exactdit.harness import models
+    one that returns the log-sum-exp, e.g. "_native_cudnn"). ``model`` names a model of
+    :mod:`exactdit.harness.models` or a mini model (:mod:`exactdit.harness.minis`, its tiny
+    config and inputs at ``geometry["grid"]`` where given, a :class:`~exactdit.harness.minis.Grid`)."""
+    from exactdit.harness import minis, models
 
     device = torch.device(device)
-    tr = models.build_transformer(model, config, dtype=dtype, device=device, seed=seed)
+    if model in minis.MINIS:
+        tr = minis.build(model, dtype=dtype, device=device, seed=seed)
+        kw = minis.forward_inputs(model, tr, batch=geometry.get("batch") or 1, seed=seed + 1, device=device,
+                                  grid=geometry.get("grid"))
+    else:
+        tr = models.build_transformer(model, config, dtype=dtype, device=device, seed=seed)
+        kw = models.forward_inputs(model, tr, seed=seed + 1, **geometry)
     if attention_backend:
         tr.set_attention_backend(attention_backend)
-    kw = models.forward_inputs(model, tr, seed=seed + 1, **geometry)
     return tr, kw, parallel_config(mode, dist.get_world_size(), device)
 
 

@@ -2,8 +2,8 @@
 
 Each case compares, on both ranks, the patched transformer with the unpatched one under the same
 parallel config (exactdit.harness.context_parallel.compare). Ring attention needs an attention
-backend that returns the log-sum-exp (CUDA only), so it runs in benchmarks/bench_context_parallel.py
-on GPUs; uneven shards run here through gloo stand-ins (use_gloo_stand_ins).
+backend that returns the log-sum-exp (CUDA only in diffusers): its test stands one in on the CPU.
+Uneven shards run through gloo stand-ins (use_gloo_stand_ins).
 """
 
 import json
@@ -105,6 +105,55 @@ def test_uneven_shards_run_diffusers_code_with_the_reason(tmp_path):
         assert res["equal"], res
         assert res["fused"] == 0, res
         assert any("not captured" in reason for reason in res["reasons"]), res
+
+
+def _attention_with_lse_on_cpu(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    """diffusers' cuDNN forward op (model layout (B, S, H, D) in and out, the log-sum-exp as
+    (B, S, H)) computed by ATen's CPU flash attention, which returns the log-sum-exp too."""
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    out, lse = out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
+    return (out, lse) if return_lse else out
+
+
+def _ring_rank(rank: int, port: int, result_dir: str, cases: list) -> None:
+    import torch.distributed as dist
+    from diffusers.models import attention_dispatch
+
+    from exactdit import gate
+    from exactdit.engine import coverage
+    from exactdit.harness.context_parallel import compare
+    from exactdit.patches import engine
+
+    attention_dispatch._cudnn_attention_forward_op = _attention_with_lse_on_cpu
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = []
+        for model, order in cases:
+            gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
+            c = compare(model, mode="ring", order=order, seed=3, batch=1, attention_backend="_native_cudnn", **IMAGE)
+            results.append(dict(model=model, equal=c.equal, fused=c.fused_regions, failed=c.failed_graphs,
+                                reasons=c.eager_reasons))
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_patched_blocks_match_unpatched_under_ring_attention(tmp_path):
+    """Ring attention (each rank's keys and values gathered inside the captured block, the partial
+    outputs merged by their log-sum-exp in fp32): diffusers' cuDNN op is stood in for by ATen's
+    CPU flash attention, which returns the log-sum-exp, on both the patched and the unpatched side."""
+    cases = [("flux", "patch-last"), ("qwen", "patch-first")]
+    mp.spawn(_ring_rank, args=(_free_port(), str(tmp_path), cases), nprocs=WORLD)
+    for r in range(WORLD):
+        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert len(results) == len(cases)
+        for res in results:
+            assert res["equal"] and res["fused"] > 0 and not res["failed"] and not res["reasons"], (r, res)
 
 
 def test_plans_come_from_diffusers_first_then_exactdit():

@@ -623,7 +623,7 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
         elements.append(t.reduction_input(em, index))
     body.line(f"mean, m2, cnt = ln_k.welford_elements({', '.join(elements)}, {loop.update_args}, {threads})")
     code.extend(body)
-    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {rows}, {threads}, {loop.per_thread}, "
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {threads}, {loop.per_thread}, "
               f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
     code.line("mean_r = mean_r[:, None]")
     code.line("rstd_r = rstd_r[:, None]")
@@ -663,7 +663,7 @@ def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     choices = ln_k.CHOICES
     code.line(f"mean, m2, cnt = ln_k.welford_lanes({x}, {block_r}, {lanes}, {width // 4})")
     per_lane = 4 if width // 4 == lanes else 0
-    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {block_r}, {lanes}, {per_lane}, "
+    code.line(f"mean_r, rstd_r = ln_k.lanes_finish(mean, m2, cnt, {width}, eps, {lanes}, {per_lane}, "
               f"{ln_k._MEAN_FMA[choices['mean_fma']]}, {choices['sigma_fma']}, {choices['rcp_approx']})")
     code.line("mean_r = mean_r[:, None]")
     code.line("rstd_r = rstd_r[:, None]")

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from exactdit.kernels.elementwise import modulate_values
-from exactdit.kernels.rows import halves, next_power_of_2, row_offsets, row_strides, rows_of, vector_elements
+from exactdit.kernels.rows import lanes_exchanged, next_power_of_2, row_offsets, row_strides, rows_of, vector_elements
 from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rsqrt_approx, sub_rn
 
 #: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
@@ -288,8 +288,8 @@ def _rstd(m2, width, eps):
 # --- many narrow rows per program ------------------------------------------------------------------
 # A row of D <= 512 gives each of ATen's 128 threads at most one vector, and only threads
 # 0 .. D/4 - 1 hold data. Holding ROWS rows' states as [ROWS, LANES] tensors (LANES = the next
-# power of two of D/4) and stepping the shuffle-down tree by halves computes the values ATen's
-# thread 0 ends with: after the step of offset o, the next steps read only lanes below o; a step
+# power of two of D/4) and stepping the shuffle-down tree over the lanes computes the values
+# ATen's thread 0 ends with: after the step of offset o, the next steps read only lanes below o; a step
 # whose partners lie past LANES combines with ATen's empty (all zero) state, which is not a
 # no-op (``nB = count * (1 / count)`` need not be 1, and an infinite ``delta * delta`` times a
 # zero count is NaN), so it is computed, not skipped.
@@ -315,51 +315,50 @@ def _with_empty(mean, m2, cnt, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, 
 
 
 @triton.jit
-def _halving_step(mean, m2, cnt, ROWS: tl.constexpr, HALF: tl.constexpr, MEAN_FMA: tl.constexpr,
-                  SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, COUNT: tl.constexpr):
-    """A tree step of offset HALF over 2 * HALF live lanes: lane l < HALF keeps
-    ``combine(own l, received l + HALF)``; [ROWS, 2 * HALF] -> [ROWS, HALF] (COUNT > 0: every
-    lane holds COUNT elements)."""
-    bm, am = halves(mean, ROWS, HALF)
-    bs, as_ = halves(m2, ROWS, HALF)
-    bc, ac = halves(cnt, ROWS, HALF)
-    return _combine(bm, bs, bc, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, 2 * COUNT)
+def _exchange_step(mean, m2, cnt, H: tl.constexpr, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr,
+                   RCP_APPROX: tl.constexpr, COUNT: tl.constexpr):
+    """A tree step of offset H over the states [ROWS, LANES]: lane l (bit H clear) keeps
+    ``combine(own l, received l + H)``. The partner's state arrives by ``lanes_exchanged`` (an
+    exact move of the bits within the tensor's own layout: the states keep their shape, so no
+    step goes through shared memory); lanes with bit H set compute values nobody reads, as in
+    ATen's shuffle-down. COUNT > 0: every lane that matters holds COUNT elements."""
+    am = lanes_exchanged(mean, H)
+    as_ = lanes_exchanged(m2, H)
+    if COUNT > 0:
+        ac = cnt
+    else:
+        ac = lanes_exchanged(cnt, H)
+    return _combine(mean, m2, cnt, am, as_, ac, MEAN_FMA, SIGMA_FMA, RCP_APPROX, 2 * COUNT)
 
 
 @triton.jit
-def lanes_finish(mean, m2, cnt, width, eps, ROWS: tl.constexpr, LANES: tl.constexpr, PER_LANE: tl.constexpr,
+def lanes_finish(mean, m2, cnt, width, eps, LANES: tl.constexpr, PER_LANE: tl.constexpr,
                  MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr):
     """(mean, rstd), each [ROWS], from the states [ROWS, LANES] of threads 0 .. LANES - 1
     (:func:`welford_lanes`, :func:`welford_elements`): :func:`welford_finish`'s tree (offsets
-    16..1 inside each warp, then warp w takes w + 2, then w + 1), the threads past LANES empty.
-    PER_LANE > 0: every one of the LANES threads holds that many elements, so the counts of
-    each step are known, and so are the reciprocals."""
+    16..1 inside each warp, then warp w takes w + 2, then w + 1), the threads past LANES empty;
+    the result is lane 0's. PER_LANE > 0: every one of the LANES threads holds that many
+    elements, so the counts of each step are known, and so are the reciprocals."""
     WARPS: tl.constexpr = (LANES + 31) // 32
     L: tl.constexpr = LANES // WARPS  # live lanes of each warp
     C: tl.constexpr = PER_LANE if not RCP_APPROX else 0  # elements per live lane
-    mean = tl.reshape(mean, [ROWS * WARPS, L])
-    m2 = tl.reshape(m2, [ROWS * WARPS, L])
-    cnt = tl.reshape(cnt, [ROWS * WARPS, L])
     for k in tl.static_range(5):
         if (16 >> k) >= L:
             mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C)
         else:
-            mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS * WARPS, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX,
-                                          C * (L // (32 >> k)))
-    # each warp's lane 0 now holds C * L elements
-    mean = tl.reshape(mean, [ROWS, WARPS])
-    m2 = tl.reshape(m2, [ROWS, WARPS])
-    cnt = tl.reshape(cnt, [ROWS, WARPS])
+            mean, m2, cnt = _exchange_step(mean, m2, cnt, 16 >> k, MEAN_FMA, SIGMA_FMA, RCP_APPROX,
+                                           C * (L // (32 >> k)))
+    # each warp's lane 0 (lane w * L) now holds C * L elements
     if WARPS == 4:
-        mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS, 2, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
+        mean, m2, cnt = _exchange_step(mean, m2, cnt, 2 * L, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
     else:
         mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
     if WARPS >= 2:
-        mean, m2, cnt = _halving_step(mean, m2, cnt, ROWS, 1, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L * (WARPS // 2))
+        mean, m2, cnt = _exchange_step(mean, m2, cnt, L, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L * (WARPS // 2))
     else:
         mean, m2, cnt = _with_empty(mean, m2, cnt, MEAN_FMA, SIGMA_FMA, RCP_APPROX, C * L)
-    mean = tl.reshape(mean, [ROWS])
-    return mean, _rstd(tl.reshape(m2, [ROWS]), width, eps)
+    lane = tl.arange(0, LANES)[None, :]
+    return _lane0(mean, lane), _rstd(_lane0(m2, lane), width, eps)
 
 
 @triton.jit

@@ -73,20 +73,6 @@ def vector_elements(x, ROWS: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
-def halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """(lanes [0, HALF), lanes [HALF, 2 * HALF)) of the fp32 ``x`` [ROWS, 2 * HALF]: the two
-    sides of a shuffle-down step with offset HALF, where lane l keeps its own value and receives
-    l + HALF. Each side is an integer sum over the axis of the two halves with the other side's
-    bits zeroed: an exact move of the bits (signed zeros, NaN payloads) that the compiler lowers
-    as it does the halving sums of ``rope.block_sum`` (in registers or by shuffles)."""
-    bits = tl.reshape(x.to(tl.int32, bitcast=True), [ROWS, 2, HALF])
-    side = tl.arange(0, 2)[None, :, None]
-    low = tl.sum(tl.where(side == 0, bits, 0), axis=1)
-    high = tl.sum(tl.where(side == 1, bits, 0), axis=1)
-    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def pair_lane(x, LANE: tl.constexpr):
     """``x`` [R, C] (C even) with each element replaced by lane LANE (0: even, 1: odd) of its
     column pair (2i, 2i + 1): the element at column ``2 * (c // 2) + LANE``. Pairs sit in

@@ -1,4 +1,4 @@
-"""exactdit under diffusers' context parallelism: two CPU processes over gloo, Ulysses attention.
+"""exactdit under diffusers' context parallelism: two CPU processes over gloo.
 
 Each case compares, on both ranks, the patched transformer with the unpatched one under the same
 parallel config (exactdit.harness.context_parallel.compare). Ring attention needs an attention
@@ -26,85 +26,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, result_dir: str, cases: list) -> None:
+def _in_group(rank: int, port: int, result_dir: str, job, args: tuple) -> None:
+    """One rank of a two-process gloo group: ``job(*args)``'s result as JSON in ``result_dir``."""
     import torch.distributed as dist
-
-    from exactdit import gate
-    from exactdit.engine import coverage
-    from exactdit.harness.context_parallel import compare
-    from exactdit.patches import engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        results = []
-        for model, order, geometry in cases:
-            gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
-            c = compare(model, mode="ulysses", order=order, seed=3, batch=1, **geometry)
-            results.append(dict(model=model, order=order, equal=c.equal, fused=c.fused_regions,
-                                failed=c.failed_graphs))
+        result = job(*args)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+            json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def _run(cases, tmp_path) -> list[list[dict]]:
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path), cases), nprocs=WORLD)
+def _run(tmp_path, job, *args) -> list:
+    """``job(*args)`` on every rank of a two-process gloo group: each rank's result."""
+    mp.spawn(_in_group, args=(_free_port(), str(tmp_path), job, args), nprocs=WORLD)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-IMAGE = dict(height=64, width=64)
-CASES = [
-    ("flux", "patch-last", IMAGE),
-    ("flux", "patch-first", IMAGE),
-    ("qwen", "patch-last", IMAGE),
-    ("wan", "patch-last", dict(height=32, width=32, num_frames=5)),
-    ("ernie", "patch-last", IMAGE),  # exactdit's plan
-    ("ernie", "patch-first", IMAGE),
-    # a mini model whose class carries a diffusers plan, with an even text length to split (the
-    # LTX-Video mini's plan fails in diffusers' own eager forward: its RoPE is not split)
-    ("flux2", "patch-first", dict(grid=Grid(1, 8, 8, 8))),
-]
-
-
-def test_patched_blocks_match_unpatched_under_ulysses_on_every_rank(tmp_path):
-    per_rank = _run(CASES, tmp_path)
-    for rank, results in enumerate(per_rank):
-        assert len(results) == len(CASES)
-        for r in results:
-            assert r["equal"], f"rank {rank}: {r}"
-            assert r["fused"] > 0, f"rank {rank}: no region ran through the engine: {r}"
-            assert not r["failed"], f"rank {rank}: graphs the engine could not rewrite: {r}"
-
-
-def _uneven_rank(rank: int, port: int, result_dir: str) -> None:
-    import torch.distributed as dist
-
-    from exactdit.harness.context_parallel import compare, use_gloo_stand_ins
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    use_gloo_stand_ins(torch.device("cpu"))
-    try:
-        c = compare("flux", mode="ulysses-anything", seed=3, batch=1, height=48, width=48)
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(dict(equal=c.equal, fused=c.fused_regions, reasons=c.eager_reasons), f)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_uneven_shards_run_diffusers_code_with_the_reason(tmp_path):
-    """``ulysses_anything`` (a 3 x 3 latent: 9 image tokens over two ranks): diffusers' uneven
-    all-to-all runs a collective while Dynamo propagates fake tensors, so no block can be
-    captured; every block runs diffusers' code, counted with that reason, and the output stays
-    the unpatched model's on both ranks."""
-    mp.spawn(_uneven_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
-    for r in range(WORLD):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert res["equal"], res
-        assert res["fused"] == 0, res
-        assert any("not captured" in reason for reason in res["reasons"]), res
 
 
 def _attention_with_lse_on_cpu(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -118,42 +57,73 @@ def _attention_with_lse_on_cpu(ctx, query, key, value, attn_mask=None, dropout_p
     return (out, lse) if return_lse else out
 
 
-def _ring_rank(rank: int, port: int, result_dir: str, cases: list) -> None:
-    import torch.distributed as dist
+def _compare(cases: list) -> list[dict]:
+    """``compare`` for each (model, mode, order, build arguments), with gloo's stand-ins and, for
+    ring attention on the "_native_cudnn" backend, ATen's CPU flash attention as its op."""
     from diffusers.models import attention_dispatch
 
     from exactdit import gate
     from exactdit.engine import coverage
-    from exactdit.harness.context_parallel import compare
+    from exactdit.harness.context_parallel import compare, use_gloo_stand_ins
     from exactdit.patches import engine
 
+    use_gloo_stand_ins(torch.device("cpu"))
     attention_dispatch._cudnn_attention_forward_op = _attention_with_lse_on_cpu
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        results = []
-        for model, order in cases:
-            gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
-            c = compare(model, mode="ring", order=order, seed=3, batch=1, attention_backend="_native_cudnn", **IMAGE)
-            results.append(dict(model=model, equal=c.equal, fused=c.fused_regions, failed=c.failed_graphs,
-                                reasons=c.eager_reasons))
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+    results = []
+    for model, mode, order, build in cases:
+        gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
+        c = compare(model, mode=mode, order=order, seed=3, batch=1, **build)
+        results.append(dict(model=model, mode=mode, order=order, equal=c.equal, fused=c.fused_regions,
+                            failed=c.failed_graphs, reasons=c.eager_reasons))
+    return results
+
+
+def _fused_and_equal(per_rank: list, cases: list) -> None:
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(cases)
+        for r in results:
+            assert r["equal"], f"rank {rank}: {r}"
+            assert r["fused"] > 0, f"rank {rank}: no region ran through the engine: {r}"
+            assert not r["failed"], f"rank {rank}: graphs the engine could not rewrite: {r}"
+            assert not r["reasons"], f"rank {rank}: blocks ran diffusers' code: {r}"
+
+
+IMAGE = dict(height=64, width=64)
+CASES = [
+    ("flux", "ulysses", "patch-last", IMAGE),
+    ("flux", "ulysses", "patch-first", IMAGE),
+    ("qwen", "ulysses", "patch-last", IMAGE),
+    ("wan", "ulysses", "patch-last", dict(height=32, width=32, num_frames=5)),
+    ("ernie", "ulysses", "patch-last", IMAGE),  # exactdit's plan
+    ("ernie", "ulysses", "patch-first", IMAGE),
+    # a mini model whose class carries a diffusers plan, with an even text length to split (the
+    # LTX-Video mini's plan fails in diffusers' own eager forward: its RoPE is not split)
+    ("flux2", "ulysses", "patch-first", dict(grid=Grid(1, 8, 8, 8))),
+]
+
+
+def test_patched_blocks_match_unpatched_under_ulysses_on_every_rank(tmp_path):
+    _fused_and_equal(_run(tmp_path, _compare, CASES), CASES)
 
 
 def test_patched_blocks_match_unpatched_under_ring_attention(tmp_path):
     """Ring attention (each rank's keys and values gathered inside the captured block, the partial
     outputs merged by their log-sum-exp in fp32): diffusers' cuDNN op is stood in for by ATen's
     CPU flash attention, which returns the log-sum-exp, on both the patched and the unpatched side."""
-    cases = [("flux", "patch-last"), ("qwen", "patch-first")]
-    mp.spawn(_ring_rank, args=(_free_port(), str(tmp_path), cases), nprocs=WORLD)
-    for r in range(WORLD):
-        results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert len(results) == len(cases)
-        for res in results:
-            assert res["equal"] and res["fused"] > 0 and not res["failed"] and not res["reasons"], (r, res)
+    ring = dict(IMAGE, attention_backend="_native_cudnn")
+    cases = [("flux", "ring", "patch-last", ring), ("qwen", "ring", "patch-first", ring)]
+    _fused_and_equal(_run(tmp_path, _compare, cases), cases)
+
+
+def test_uneven_shards_run_diffusers_code_with_the_reason(tmp_path):
+    """``ulysses_anything`` (a 3 x 3 latent: 9 image tokens over two ranks): diffusers' uneven
+    all-to-all runs a collective while Dynamo propagates fake tensors, so no block can be
+    captured; every block runs diffusers' code, counted with that reason, and the output stays
+    the unpatched model's on both ranks."""
+    for (res,) in _run(tmp_path, _compare, [("flux", "ulysses-anything", "patch-last", dict(height=48, width=48))]):
+        assert res["equal"], res
+        assert res["fused"] == 0, res
+        assert any("not captured" in reason for reason in res["reasons"]), res
 
 
 def test_plans_come_from_diffusers_first_then_exactdit():
@@ -200,27 +170,35 @@ def test_equality_script_runs_under_torchrun(tmp_path):
     assert all(r["equal"] and r["fused"] > 0 and not r["failed"] for r in rows[0]["per_rank"]), rows
 
 
-def _gather_rank(rank: int, port: int, result_dir: str) -> None:
+def _shard(rank: int, dim: int) -> torch.Tensor:
+    """Rank ``rank``'s shard in the gather tests: 3 + rank long along ``dim`` (uneven)."""
+    shape = [3, 5, 2]
+    shape[dim] += rank
+    return torch.randn(shape, generator=torch.Generator().manual_seed(10 * rank + dim)).to(torch.bfloat16)
+
+
+def _gathers() -> list[bool]:
+    """Per dim: the functional all-gather stand-in equals both the functional all-gather and the
+    concatenation of the shards of equal size; the uneven one equals the concatenation of uneven
+    shards."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from exactdit.harness.context_parallel import all_gather_tensor
+    from exactdit.harness.context_parallel import all_gather_tensor, all_gather_uneven
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        t = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-        same = [torch.equal(all_gather_tensor(t, d, dist.group.WORLD), funcol.all_gather_tensor(t, d, dist.group.WORLD))
-                for d in (0, 1, 2)]
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(same, f)
-    finally:
-        dist.destroy_process_group()
+    rank, out = dist.get_rank(), []
+    for d in (0, 1, 2):
+        even = _shard(0, d) + rank
+        expected = torch.cat([_shard(0, d) + r for r in range(WORLD)], dim=d)
+        got = all_gather_tensor(even, d, dist.group.WORLD)
+        out.append(torch.equal(got, expected) and torch.equal(got, funcol.all_gather_tensor(even, d, dist.group.WORLD)))
+        uneven = torch.cat([_shard(r, d) for r in range(WORLD)], dim=d)
+        out.append(torch.equal(all_gather_uneven(_shard(rank, d), d, dist.group.WORLD), uneven))
+    return out
 
 
-def test_gather_for_ranks_sharing_a_gpu_equals_functional_all_gather(tmp_path):
-    """The all-gather that ranks sharing one GPU over gloo use instead of the functional one
-    (init_distributed installs it there) gathers what the functional one gathers, on each dim."""
-    mp.spawn(_gather_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
-    for r in range(WORLD):
-        assert json.loads((tmp_path / f"rank{r}.json").read_text()) == [True, True, True]
+def test_gloo_stand_ins_gather_what_the_collectives_they_replace_gather(tmp_path):
+    """The all-gathers ranks over gloo use instead of the functional one (CUDA tensors) and of
+    diffusers' uneven one (use_gloo_stand_ins) gather every rank's shard in rank order."""
+    for result in _run(tmp_path, _gathers):
+        assert result == [True] * 6, result

@@ -151,11 +151,8 @@ def engine_launches():
 
     import torch.fx as fx
 
-    from exactdit.engine import kernel_source, tables
     from exactdit.engine.capture import capture_graphs
-    from exactdit.engine.partition import find_regions
     from exactdit.harness import minis, models
-    from exactdit.numerics import LAUNCH_OPTIONS
 
     graphs = []
     mini_names = sys.argv[sys.argv.index("--minis") + 1].split(",") if "--minis" in sys.argv else []
@@ -188,34 +185,44 @@ def engine_launches():
     out = node(aten.mul.Tensor, cat, 2.0, val=torch.empty(1, 8, 2, 128, dtype=bf))
     g.output((out,))
     graphs.append(("fused_rms_norm", fx.GraphModule(torch.nn.Module(), g)))
-    spec = tables.TableSpec(15179, 2048, 65536, 65536, 0, 163840, 281472820903935, 32640)
     for name, gm in graphs:
-        for region in find_regions(gm, name).regions:
-            for k in region.kernels:
-                fn = kernel_source.load(k.source)
-                sig, consts = {}, dict(k.constexprs)
-                for j in range(len(region.tables)):
-                    consts.update(spec.constexprs(f"tab{j}"))
-                for p, arg in zip(k.params, fn.arg_names):
-                    if p[0] in ("in", "out"):
-                        node_ = k.inputs[p[1]] if p[0] == "in" else region.outputs[p[1]]
-                        dt = node_.meta["val"].dtype
-                        sig[arg] = "*" + _DTYPES[torch.float32 if dt == torch.complex64 else dt]
-                    elif p[0] == "tab":
-                        sig[arg] = "*i16"
-                    else:
-                        node_ = k.inputs[p[1]] if p[0] == "in_stride" else region.outputs[p[1]]
-                        v = node_.meta["val"]
-                        if v.dtype == torch.complex64:
-                            v = torch.view_as_real(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
-                        sig[arg] = "constexpr" if v.stride()[p[2]] == 1 else "i32"
-                        if v.stride()[p[2]] == 1:
-                            consts[arg] = 1
-                for arg in fn.arg_names:
-                    if arg in consts:
-                        sig[arg] = "constexpr"
-                options = dict(num_warps=k.num_warps, **LAUNCH_OPTIONS)
-                yield f"engine {region.name} {region.describe()}", fn, sig, consts, options
+        yield from region_launches(name, gm)
+
+
+def region_launches(name: str, gm):
+    """(label, kernel, signature, constexprs, options) of every kernel the engine generates for
+    the regions of the captured graph ``gm`` (strides typed as the JIT types the real launch)."""
+    from exactdit.engine import kernel_source, tables
+    from exactdit.engine.partition import find_regions
+    from exactdit.numerics import LAUNCH_OPTIONS
+
+    spec = tables.TableSpec(15179, 2048, 65536, 65536, 0, 163840, 281472820903935, 32640)
+    for region in find_regions(gm, name).regions:
+        for k in region.kernels:
+            fn = kernel_source.load(k.source)
+            sig, consts = {}, dict(k.constexprs)
+            for j in range(len(region.tables)):
+                consts.update(spec.constexprs(f"tab{j}"))
+            for p, arg in zip(k.params, fn.arg_names):
+                if p[0] in ("in", "out"):
+                    node_ = k.inputs[p[1]] if p[0] == "in" else region.outputs[p[1]]
+                    dt = node_.meta["val"].dtype
+                    sig[arg] = "*" + _DTYPES[torch.float32 if dt == torch.complex64 else dt]
+                elif p[0] == "tab":
+                    sig[arg] = "*i16"
+                else:
+                    node_ = k.inputs[p[1]] if p[0] == "in_stride" else region.outputs[p[1]]
+                    v = node_.meta["val"]
+                    if v.dtype == torch.complex64:
+                        v = torch.view_as_real(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta"))
+                    sig[arg] = "constexpr" if v.stride()[p[2]] == 1 else "i32"
+                    if v.stride()[p[2]] == 1:
+                        consts[arg] = 1
+            for arg in fn.arg_names:
+                if arg in consts:
+                    sig[arg] = "constexpr"
+            options = dict(num_warps=k.num_warps, **LAUNCH_OPTIONS)
+            yield f"engine {region.name} {region.describe()}", fn, sig, consts, options
 
 
 def main(archs: list[int]) -> None:

@@ -36,8 +36,8 @@
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
-#   cp-one-gpu       when two GPUs are not lent: the same models under Ulysses 2 with both ranks on one GPU over
-#                    gloo (context_parallel_equality.py): equality only, every kernel on its rank's shard shapes
+#   cp-one-gpu       when two GPUs are not lent: the same models under Ulysses 2 and ring 2 with both ranks on one
+#                    GPU over gloo (context_parallel_equality.py): equality only, every kernel on its rank's shard shapes
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
@@ -153,8 +153,8 @@ for stage in "$@"; do
     cp-one-gpu)
       for args in "--model flux --height 1024 --width 1024" "--model ernie --height 1024 --width 1024" \
                   "--model wan --height 480 --width 832 --frames 33"; do
-        timeout 150 torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --backend gloo --config full \
-          --modes ulysses $args 2>&1 | grep -E "^\||exitcode" | tee -a "$OUT/context_parallel_equality.log"
+        timeout 300 torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --backend gloo --config full \
+          --modes ulysses ring $args 2>&1 | grep -E "^\||exitcode" | tee -a "$OUT/context_parallel_equality.log"
       done ;;
     ncu)
       timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \

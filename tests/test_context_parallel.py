@@ -178,27 +178,31 @@ def _shard(rank: int, dim: int) -> torch.Tensor:
 
 
 def _gathers() -> list[bool]:
-    """Per dim: the functional all-gather stand-in equals both the functional all-gather and the
-    concatenation of the shards of equal size; the uneven one equals the concatenation of uneven
-    shards."""
+    """The override is registered; per dim: ``funcol.all_gather_tensor`` routed through :func:`route_functional_all_gather`
+    (here for CPU tensors, as it is for CUDA ones under gloo) equals the unrouted op and the
+    concatenation of the shards of equal size; the uneven stand-in equals the concatenation of
+    uneven shards."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from exactdit.harness.context_parallel import all_gather_tensor, all_gather_uneven
+    from exactdit.harness.context_parallel import all_gather_uneven, route_functional_all_gather
 
-    rank, out = dist.get_rank(), []
-    for d in (0, 1, 2):
-        even = _shard(0, d) + rank
+    rank, dims, out = dist.get_rank(), (0, 1, 2), []
+    even = {d: _shard(0, d) + rank for d in dims}
+    unrouted = {d: funcol.all_gather_tensor(even[d], d, dist.group.WORLD) for d in dims}
+    route_functional_all_gather("CPU")
+    out.append(torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_gather_into_tensor", "CPU"))
+    for d in dims:
         expected = torch.cat([_shard(0, d) + r for r in range(WORLD)], dim=d)
-        got = all_gather_tensor(even, d, dist.group.WORLD)
-        out.append(torch.equal(got, expected) and torch.equal(got, funcol.all_gather_tensor(even, d, dist.group.WORLD)))
+        got = funcol.all_gather_tensor(even[d], d, dist.group.WORLD)
+        out.append(torch.equal(got, expected) and torch.equal(got, unrouted[d]))
         uneven = torch.cat([_shard(r, d) for r in range(WORLD)], dim=d)
         out.append(torch.equal(all_gather_uneven(_shard(rank, d), d, dist.group.WORLD), uneven))
     return out
 
 
 def test_gloo_stand_ins_gather_what_the_collectives_they_replace_gather(tmp_path):
-    """The all-gathers ranks over gloo use instead of the functional one (CUDA tensors) and of
+    """The all-gathers ranks over gloo use instead of ATen's functional one (CUDA tensors) and of
     diffusers' uneven one (use_gloo_stand_ins) gather every rank's shard in rank order."""
     for result in _run(tmp_path, _gathers):
-        assert result == [True] * 6, result
+        assert result == [True] * 7, result

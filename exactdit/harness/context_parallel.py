@@ -48,15 +48,13 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
 def use_gloo_stand_ins(device: torch.device) -> None:
     """Collectives diffusers calls that gloo cannot run, replaced by ones that move the same bits:
     the all-gather of uneven shards (``ulysses_anything``'s output hook: gloo's all-gather wants
-    equal sizes) by :func:`all_gather_uneven`, and on CUDA tensors the functional all-gather
-    (torch 2.11 segfaults there) by :func:`all_gather_tensor`."""
+    equal sizes) by :func:`all_gather_uneven`, and on CUDA tensors ATen's functional all-gather
+    (torch 2.11 segfaults there) by :func:`route_functional_all_gather`."""
     from diffusers.hooks import context_parallel as cp_hooks
 
     cp_hooks._all_gather_anything = all_gather_uneven
     if device.type == "cuda":
-        import torch.distributed._functional_collectives as funcol
-
-        funcol.all_gather_tensor = all_gather_tensor
+        route_functional_all_gather("CUDA")
 
 
 def all_gather_uneven(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -76,14 +74,27 @@ def all_gather_uneven(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat([p.narrow(dim, 0, k) for p, k in zip(parts, sizes)], dim=dim)
 
 
-def all_gather_tensor(t: torch.Tensor, gather_dim: int, group, tag: str = "") -> torch.Tensor:
-    """``funcol.all_gather_tensor`` (every rank's ``t`` concatenated along ``gather_dim``, in rank
-    order) through ``dist.all_gather_into_tensor``; ``group`` a process group or a 1-D device mesh."""
-    pg = group if isinstance(group, dist.ProcessGroup) else group.get_group()
-    n = dist.get_world_size(pg)
-    out = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=pg)
-    return torch.cat(out.chunk(n), dim=gather_dim) if gather_dim != 0 else out
+_ROUTED_GATHERS: dict = {}  # dispatch key -> the torch.library.Library holding the override
+
+
+def route_functional_all_gather(dispatch_key: str) -> None:
+    """Makes ``_c10d_functional.all_gather_into_tensor`` on ``dispatch_key`` tensors run
+    ``dist.all_gather_into_tensor`` (every rank's tensor stacked along dim 0, in rank order): the
+    op both eager ``funcol.all_gather_tensor`` (diffusers' output gather) and the graphs Dynamo
+    captures call (ring attention's key/value gather inside a block), so one override serves
+    both. Fake tensors keep the op's own meta kernel."""
+    if dispatch_key in _ROUTED_GATHERS:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    def gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+        out = t.new_empty((group_size * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=c10d._resolve_process_group(group_name))
+        return out
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", gather, dispatch_key)
+    _ROUTED_GATHERS[dispatch_key] = lib
 
 
 def parallel_config(mode: str, world: int, device: torch.device):

@@ -416,6 +416,8 @@ class Report(dict):
                 lines.append(f"disabled {name} {sig}: {why}")
         from exactdit.engine import coverage
 
+        for label, why in sorted(coverage.in_parts().items()):
+            lines.append(f"captured in parts (graph breaks): {label}: {why}")
         for graph in coverage.graphs():
             lines.extend(graph.lines())
         return "\n".join(lines)

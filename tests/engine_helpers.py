@@ -168,6 +168,18 @@ def rewrite_and_check(gm, inputs, label: str = "test", need_regions: bool = True
     return report
 
 
+def wrap_feed_forward(block: torch.nn.Module, wrap) -> None:
+    """``block.ff`` (a Flux double block's feed-forward) runs ``wrap(ff's forward, x)``."""
+    forward = block.ff.forward
+    block.ff.forward = lambda x: wrap(forward, x)
+
+
+def graph_break_then(forward, x):
+    """``forward(x)`` after a graph break (a wrap for :func:`wrap_feed_forward`)."""
+    torch._dynamo.graph_break()
+    return forward(x)
+
+
 def assert_patched_equals_eager(tr, kw, forward, some_fused: bool = True) -> None:
     """Two patched forwards (verifying, then verified kernels) equal the unpatched one, no region
     disabled, some fused (unless ``some_fused`` is False: blocks the engine cannot capture)."""
@@ -185,6 +197,28 @@ def assert_patched_equals_eager(tr, kw, forward, some_fused: bool = True) -> Non
     report = exactdit.report(show=False)
     assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
     assert sum(v["fused"] for v in report.values()) > 0 or not some_fused
+
+
+def assert_recaptured_blocks_fall_back(tr, kws: list, forward) -> None:
+    """Blocks whose parts' shapes follow the data (a known limit, ``Mini.eager``): one forward per
+    inputs in ``kws`` (more than RECAPTURES_ALLOWED + 2 of them, the same shapes, different
+    values), patched, each equal to the unpatched one; by the last the blocks run diffusers' code,
+    counted with the reason."""
+    import exactdit
+    from exactdit.harness.metrics import outputs_equal
+    from exactdit.patches.engine import RECAPTURES_ALLOWED
+
+    assert len(kws) > RECAPTURES_ALLOWED + 2
+    refs = [forward(tr, kw) for kw in kws]
+    torch._dynamo.reset()  # Dynamo's recompile limit, not ours, would stop an earlier test's parts capturing
+    try:
+        exactdit.patch(tr)
+        outs = [forward(tr, kw) for kw in kws]
+    finally:
+        exactdit.unpatch(tr)
+    assert all(outputs_equal(out, ref) for out, ref in zip(outs, refs))
+    reasons = engine_eager_reasons()
+    assert reasons and all("not captured" in r for v in reasons.values() for r in v), reasons
 
 
 def rewrite_and_check_against_eager(gm, inputs, label: str) -> None:

@@ -19,7 +19,7 @@ from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
-from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
+from tests.engine_helpers import (HALF_ONLY_GRAPHS, graph_break_then, wrap_feed_forward, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
                                   gated_residual, rewrite_and_check, rope_graph, rows_adjacent_block, trusted)
 from tests.helpers import assert_bits_equal, rand
 
@@ -694,29 +694,104 @@ def test_patch_unpatch_and_report_on_a_model():
     assert any(v["fused"] for k, v in rep.items() if k.startswith("FluxTransformer2DModel"))
 
 
-def test_a_block_the_engine_cannot_capture_runs_eager_with_the_reason():
-    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=8)
-    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=9)
-    block = tr.transformer_blocks[0]
-    forward = block.forward
+FLUX_BLOCK = "FluxTransformer2DModel.FluxTransformerBlock"
+FLUX_SINGLE_BLOCK = "FluxTransformer2DModel.FluxSingleTransformerBlock"
 
-    def breaks_the_graph(*args, **kwargs):
-        torch._dynamo.graph_break()
-        return forward(*args, **kwargs)
 
-    block.forward = breaks_the_graph
+def _flux_with_feed_forward(wrap, seed: int):
+    """A tiny Flux whose first double block's feed-forward runs ``wrap(ff, x)``, and its inputs."""
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=seed)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=seed + 1)
+    wrap_feed_forward(tr.transformer_blocks[0], wrap)
+    return tr, kw
+
+
+def _patched_runs(tr, kws: list) -> tuple[list, list, list]:
+    """(eager outputs, patched outputs, warnings) of one forward per inputs in ``kws``."""
     with torch.no_grad():
-        ref = tr(**kw, return_dict=False)[0]
+        refs = [tr(**kw, return_dict=False)[0] for kw in kws]
         torch._dynamo.reset()
         exactdit.patch(tr)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = tr(**kw, return_dict=False)[0]
+            outs = [tr(**kw, return_dict=False)[0] for kw in kws]
         exactdit.unpatch(tr)
-    assert_bits_equal(out, ref)
-    assert any("runs diffusers' code" in str(w.message) for w in caught)
-    reasons = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]["eager_reasons"]
-    assert any("not captured" in r for r in reasons)
+    return refs, outs, [str(w.message) for w in caught]
+
+
+def _block_graphs(label: str) -> list:
+    return [g for g in coverage.graphs() if g.name.startswith(label + "#")]
+
+
+def test_a_block_with_a_graph_break_is_captured_in_parts():
+    """A graph break inside a block (its feed-forward calls code Dynamo does not trace): the block
+    runs as Dynamo's graphs around the break, each rewritten and fused; equal, listed in the
+    report with the reason, nothing run eager, nothing captured again on a second call."""
+    tr, kw = _flux_with_feed_forward(graph_break_then, seed=8)
+    refs, outs, warned = _patched_runs(tr, [kw, kw])
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert "graph_break" in coverage.in_parts()[FLUX_BLOCK], coverage.in_parts()
+    assert any("captured in parts" in w for w in warned), warned
+    graphs = _block_graphs(FLUX_BLOCK)
+    assert len([g for g in graphs if g.regions]) >= 2, [g.lines() for g in graphs]  # both sides of the break
+    rep = exactdit.report(show=False)
+    ran = {k.rsplit(".r", 1)[0] for k, v in rep.items() if FLUX_BLOCK + "#" in k and v["fused"]}
+    assert len(ran) >= 2, ran
+    assert engine_eager_reasons() == {}
+    assert f"captured in parts (graph breaks): {FLUX_BLOCK}" in str(rep)
+    # the second forward reused the graphs: each region ran once per forward
+    assert all(v["fused"] == 2 for k, v in rep.items() if FLUX_BLOCK + "#" in k and v["fused"])
+
+
+def test_a_block_dynamo_captures_nothing_of_runs_eager_with_the_reason():
+    """A block whose whole forward Dynamo must skip (here ``torch.compiler.disable``d): no graph
+    runs even in parts, so it runs diffusers' code, counted with the reason, and is not captured
+    again."""
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=8)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=9)
+    block = tr.transformer_blocks[0]
+    block.forward = torch.compiler.disable(block.forward)
+    refs, outs, warned = _patched_runs(tr, [kw, kw])
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert any("runs diffusers' code" in w for w in warned), warned
+    reasons = exactdit.report(show=False)[f"engine.{FLUX_BLOCK}"]["eager_reasons"]
+    assert len(reasons) == 1 and next(iter(reasons)).startswith("not captured: "), reasons
+    assert sum(reasons.values()) == 2  # both calls
+
+
+def test_parts_captured_again_for_inputs_already_run_fall_back_to_eager():
+    """A value read after a graph break that changes between calls (a routing count, here a
+    setting) makes Dynamo capture the parts again for inputs the block has run: after
+    RECAPTURES_ALLOWED such calls, rather than capturing on every step, the block runs diffusers'
+    code from its next call on."""
+    from exactdit.patches.engine import RECAPTURED_REASON, RECAPTURES_ALLOWED
+
+    setting = {"k": 1}
+
+    def reads_a_value(ff, x):
+        torch._dynamo.graph_break()
+        y = ff(x)
+        k = setting["k"]
+        return torch.cat([y[:, :k], y[:, k:]], dim=1)  # y, whatever k: the graph specialises on it
+
+    tr, kw = _flux_with_feed_forward(reads_a_value, seed=8)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        outs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k in range(1, RECAPTURES_ALLOWED + 4):
+                setting["k"] = k
+                outs.append(tr(**kw, return_dict=False)[0])
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    reasons = exactdit.report(show=False)[f"engine.{FLUX_BLOCK}"]["eager_reasons"]
+    assert reasons == {RECAPTURED_REASON: 1}  # the last call; the one before still ran the graphs it captured
 
 
 def test_shapes_beyond_dynamos_recompile_limit_run_eager_and_the_captured_ones_stay_fused():
@@ -810,7 +885,7 @@ def test_first_block_cache_hooks_run_around_the_captured_blocks():
 def test_group_offloading_keeps_working(offload_type):
     """Group offloading (its hooks move parameters in torch.compiler.disable'd functions): with
     hooks on the blocks the blocks' forwards still run captured inside them; with hooks on the
-    layers inside a block (leaf level) the block cannot be captured and runs diffusers' code."""
+    layers inside a block (leaf level) each hook breaks the graph and the block is captured in parts."""
     from diffusers.hooks import apply_group_offloading
 
     cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
@@ -824,19 +899,22 @@ def test_group_offloading_keeps_working(offload_type):
     torch._dynamo.reset()
     exactdit.patch(tr)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # leaf level: "runs diffusers' code"
+        warnings.simplefilter("ignore")  # leaf level: "captured in parts"
         outs = [tr(**kw, return_dict=False)[0] for _ in range(2)]
         exactdit.unpatch(tr)
         outs.append(tr(**kw, return_dict=False)[0])
     for out in outs:
         assert_bits_equal(out, ref)
-    reasons = engine_eager_reasons()
+    assert engine_eager_reasons() == {}
+    in_parts = coverage.in_parts()
     if offload_type == "block_level":
-        assert reasons == {}
+        assert not in_parts
         assert _graph_runs("FluxTransformerBlock") == 2 * 2 and _graph_runs("FluxSingleTransformerBlock") == 2 * 3
         assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
     else:
-        assert reasons and all("not captured" in r for v in reasons.values() for r in v)
+        assert set(in_parts) >= {FLUX_BLOCK, FLUX_SINGLE_BLOCK}, in_parts
+        assert all(why.startswith("(blocks with hooks on their layers)") for why in in_parts.values())
+        assert any(v["fused"] for k, v in exactdit.report(show=False).items() if k.startswith(FLUX_BLOCK + "#"))
 
 
 @pytest.mark.parametrize("cache", ["pyramid_attention_broadcast", "mag_cache", "sea_cache"])
@@ -863,10 +941,10 @@ def test_caches_on_blocks_run_with_the_blocks_captured(cache):
     assert _graph_runs("FluxTransformerBlock") > 0 and _graph_runs("FluxSingleTransformerBlock") > 0
 
 
-def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
+def test_hooks_inside_blocks_capture_those_blocks_in_parts_until_removed():
     """TaylorSeer hooks each block's attention layer (a compiler-disabled forward inside the
-    block): those blocks run diffusers' code with the reason, until the cache is disabled; another
-    model of the same classes is not affected."""
+    block): those blocks are captured in parts around it, until the cache is disabled; another
+    model of the same classes is captured whole."""
     from diffusers.hooks import TaylorSeerCacheConfig
 
     tr, calls, denoise = _cached_flux(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
@@ -875,27 +953,30 @@ def test_hooks_inside_blocks_leave_those_blocks_eager_until_removed():
     torch._dynamo.reset()
     exactdit.patch(tr)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "runs diffusers' code"
+        warnings.simplefilter("ignore")  # "captured in parts"
         out = denoise()
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
-    reasons = engine_eager_reasons()
-    assert set(reasons) == {f"engine.FluxTransformer2DModel.{c}" for c in ("FluxTransformerBlock", "FluxSingleTransformerBlock")}
-    assert _graph_runs("FluxTransformerBlock") == 0
+    assert engine_eager_reasons() == {}
+    assert set(coverage.in_parts()) == {FLUX_BLOCK, FLUX_SINGLE_BLOCK}
+    in_parts = _graph_runs("FluxTransformerBlock")
+    assert in_parts > 0
 
     other = models.build_transformer("flux", {**models.get_spec("flux").config("tiny"), "num_layers": 2,
                                               "num_single_layers": 2}, dtype=torch.bfloat16, seed=7)
     exactdit.patch(other)
     with torch.no_grad():
         other(**calls[0], return_dict=False)
-    assert _graph_runs("FluxTransformerBlock") == 2  # the classes are not marked as failing
+    whole = _graph_runs("FluxTransformerBlock") - in_parts
+    assert whole == 2  # the classes are not marked as running in parts: one graph per block
 
     tr.disable_cache()
     with torch.no_grad():
         plain = tr(**calls[0], return_dict=False)[0]
     exactdit.unpatch(tr)
     exactdit.unpatch(other)
-    assert _graph_runs("FluxTransformerBlock") == 4  # hooks gone: tr's blocks captured again
+    # hooks gone: tr's blocks run the whole graph too
+    assert _graph_runs("FluxTransformerBlock") - in_parts == whole + len(tr.transformer_blocks)
     with torch.no_grad():
         assert_bits_equal(plain, tr(**calls[0], return_dict=False)[0])
 

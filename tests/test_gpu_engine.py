@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exactdit.engine import coverage
 from exactdit.harness import models
 from exactdit.harness.models import qwen
 from exactdit.harness.metrics import outputs_equal
-from tests.engine_helpers import assert_patched_equals_eager, engine_eager_reasons
+from tests.engine_helpers import assert_patched_equals_eager, engine_eager_reasons, graph_break_then, wrap_feed_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +47,11 @@ def test_prompts_of_different_lengths_equal_to_eager(name):
                                                            text_len=[77, 5]))
 
 
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
 @pytest.mark.parametrize("use_stream", [False, True], ids=["sync", "stream"])
-def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream):
-    # parameters on the CPU between calls, moved in by diffusers' hooks around each block
+def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream, offload_type):
+    # parameters on the CPU between calls, moved in by diffusers' hooks around each block, or
+    # around each layer (leaf level: the blocks are captured in parts between the hooks)
     from diffusers.hooks import apply_group_offloading
 
     cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
@@ -56,7 +59,21 @@ def test_group_offloaded_blocks_run_fused_inside_their_hooks(use_stream):
     kw = models.forward_inputs("flux", tr, batch=2, seed=2, height=128, width=128)
     resident = models.run_forward(tr, kw)
     apply_group_offloading(tr.to("cpu"), onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
+                           offload_type=offload_type, use_stream=use_stream,
+                           **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
+    torch._dynamo.reset()
     _assert_patched_equals_eager(tr, kw)
     assert outputs_equal(models.run_forward(tr, kw), resident)
     assert engine_eager_reasons() == {}
+    assert bool(coverage.in_parts()) == (offload_type == "leaf_level")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_block_with_a_graph_break_captured_in_parts_equal_to_eager(dtype):
+    tr = models.build_transformer("flux", "tiny", dtype=dtype, device="cuda", seed=1)
+    kw = models.forward_inputs("flux", tr, batch=2, seed=2, height=128, width=128)
+    wrap_feed_forward(tr.transformer_blocks[0], graph_break_then)
+    torch._dynamo.reset()  # no graph of an earlier test's blocks
+    _assert_patched_equals_eager(tr, kw)
+    assert engine_eager_reasons() == {}
+    assert list(coverage.in_parts()) == ["FluxTransformer2DModel.FluxTransformerBlock"]

@@ -11,6 +11,8 @@ import torch.fx as fx
 
 _lock = threading.Lock()
 _graphs: list["GraphReport"] = []
+#: block label -> why it could not be captured whole (it runs as several graphs, see exactdit.patches.engine)
+_in_parts: dict[str, str] = {}
 
 
 def _op_name(node: fx.Node) -> str:
@@ -87,9 +89,21 @@ def graphs() -> list[GraphReport]:
         return list(_graphs)
 
 
+def note_in_parts(label: str, why: str) -> None:
+    with _lock:
+        _in_parts[label] = why
+
+
+def in_parts() -> dict[str, str]:
+    """Blocks captured as several graphs (graph breaks), by label: why not as one."""
+    with _lock:
+        return dict(_in_parts)
+
+
 def reset() -> None:
     with _lock:
         _graphs.clear()
+        _in_parts.clear()
 
 
 @dataclasses.dataclass

@@ -13,15 +13,22 @@ SeaCache) keeps them as they are: its hooks run eagerly around it (their ``torch
 decisions included) and the block's own forward, innermost in the hook chain, runs the captured
 graph (:class:`InnerCall`).
 
-A block that cannot be captured (a graph break, an op Dynamo cannot trace) runs diffusers'
-code; the reason is warned once and counted in ``exactdit.report()``. When the class's own
-forward fails, all its blocks run diffusers' code; when hooks set on a block or its layers make
-it fail (leaf-level offloading, caches hooking the attention layers), that block alone, until its
-hooks change. With autograd recording the blocks run diffusers' code as well (the fused kernels have no backward). Each new
-input shape captures each block class once more (static shapes); ``patch`` lets Dynamo keep
-``RECOMPILE_LIMIT`` graphs per block (raising ``torch._dynamo.config.recompile_limit``, a
-process-wide setting, when it is lower); shapes beyond that run diffusers' code, counted, while the
-shapes already captured stay fused.
+A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, hooks
+on its layers such as leaf-level offloading or TaylorSeer) is captured in parts: Dynamo's graphs
+between the breaks go through the engine, the code at the breaks runs as Python; the reason is
+warned once and listed in ``exactdit.report()``. Where the parts' shapes follow the data (a mixture
+of experts routing by token counts) calls with input shapes a block has run capture again; after
+``RECAPTURES_ALLOWED`` of those in a class its blocks run diffusers' code rather than capturing on
+every step. A block Dynamo captures nothing of, even in parts, runs diffusers' code, counted with
+the reason. When the class's own forward fails, this holds for all its blocks; when hooks set on a
+block or its layers make it fail, for that block alone, until its hooks change.
+
+With autograd recording the blocks run diffusers' code as well (the fused kernels have no
+backward). Each new input shape captures each block class once more (static shapes); ``patch``
+lets Dynamo keep ``RECOMPILE_LIMIT`` graphs per block (raising
+``torch._dynamo.config.recompile_limit``, a process-wide setting, when it is lower); shapes beyond
+that run diffusers' code, counted, while the shapes already captured stay fused (for a block in
+parts, Dynamo runs such a part as Python, uncounted).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import warnings
 import torch
 
 from exactdit import gate
+from exactdit.engine import coverage
 from exactdit.engine.capture import repeated_blocks
 
 logger = logging.getLogger("exactdit")
@@ -55,10 +63,32 @@ class _ClassState:
     """Shared by every instance of one block class."""
 
     label: str
+    #: why the class's forward cannot be captured as one graph (its blocks run in parts)
+    in_parts: str | None = None
     #: one backend object per class: Dynamo reuses a captured graph only for the same backend
     backend: object = None
     failed: str | None = None
     warned: set = dataclasses.field(default_factory=set)
+    graphs: int = 0  # graphs Dynamo captured for this class (whole or in parts)
+    runs: int = 0  # calls of those graphs
+    recaptures: int = 0  # calls of its blocks in parts that captured anew for a signature the block had run
+
+    def counting_backend(self, engine_backend):
+        """``engine_backend``, counting the graphs it compiles and their calls (which show whether
+        a block run in parts ran any graph at all)."""
+        def backend(gm, example_inputs):
+            self.graphs += 1
+            compiled = engine_backend(gm, example_inputs)
+
+            def run(*args):
+                self.runs += 1
+                return compiled(*args)
+
+            run._boxed_call = getattr(compiled, "_boxed_call", False)
+            return run
+
+        self.backend = backend
+        return self
 
 
 _states: dict[str, _ClassState] = {}
@@ -67,6 +97,11 @@ _states: dict[str, _ClassState] = {}
 #: ``patch`` raises a lower ``torch._dynamo.config.recompile_limit`` to it (resolution buckets)
 RECOMPILE_LIMIT = 64
 RECOMPILE_LIMIT_REASON = "Dynamo's recompile limit reached: this new shape runs diffusers' code"
+#: calls of a class's blocks run in parts that may capture new graphs for input signatures the
+#: block has run (once Dynamo's recompile limit stops it capturing a part, that part runs as Python)
+RECAPTURES_ALLOWED = 4
+RECAPTURED_REASON = ("not captured: its graph breaks leave shapes that follow the data (captured again "
+                     f"for input shapes it had run, more than {RECAPTURES_ALLOWED} times)")
 _lock = threading.Lock()
 
 
@@ -78,59 +113,119 @@ class EngineCall:
         from exactdit.engine import make_backend
 
         self.module = module
-        #: why this block alone cannot be captured, and the hooks it had then (see _run)
+        #: why this block alone cannot be captured whole / at all, with the hooks it had then (see _run)
+        self.in_parts: tuple[str, tuple] | None = None
         self.failed: tuple[str, tuple] | None = None
+        self.seen: set = set()  # input signatures this block ran in parts
         with _lock:
-            self.state = _states.setdefault(label, _ClassState(label, make_backend(label)))
-        self.compiled = torch.compile(module._call_impl, backend=self.state.backend, fullgraph=True, dynamic=False)
+            self.state = _states.get(label) or _states.setdefault(
+                label, _ClassState(label).counting_backend(make_backend(label)))
+        self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):
         if _capture_inside_hooks(self):
             return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
-        return self._run(self.compiled, self.module._call_impl, *args, **kwargs)
+        return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
-    def _run(self, compiled, eager, *args, **kwargs):
-        """``compiled(...)``, or ``eager(...)`` where the engine cannot run (counted, with the reason)."""
+    def _run(self, compiled, parts, eager, *args, **kwargs):
+        """``compiled(...)`` (one graph); where Dynamo cannot capture the block whole, ``parts(...)``
+        (graphs between graph breaks); where neither can run, ``eager(...)`` (counted, with the reason)."""
         module, state = self.module, self.state
-        failed = state.failed
-        if failed is None and self.failed is not None:
-            if self.failed[1] == _instance_forwards(module):
-                failed = self.failed[0]
-            else:
-                self.failed = None  # its hooks changed since: capture again
+        failed, in_parts = state.failed, state.in_parts
+        if self.failed is not None or self.in_parts is not None:  # this block's own, under its hooks then
+            if (self.failed or self.in_parts)[1] != _instance_forwards(module):
+                self.failed = self.in_parts = None  # its hooks changed since: capture again
+            failed = failed or (self.failed and self.failed[0])
+            in_parts = in_parts or (self.in_parts and self.in_parts[0])
         if failed is not None:
             gate.count_eager(f"engine.{state.label}", failed)
             return eager(*args, **kwargs)
         if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
             gate.count_eager(f"engine.{state.label}", "autograd is recording (fused kernels have no backward)")
             return eager(*args, **kwargs)
+        if in_parts is not None:
+            return self._run_in_parts(parts, eager, *args, **kwargs)
         try:
             return compiled(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
-            out = eager(*args, **kwargs)  # eager's own error, if the call is wrong
+        except Exception as e:  # noqa: BLE001 - a block the engine cannot capture whole still runs
             if type(e).__name__ == "FailOnRecompileLimitHit":
                 # one more shape than Dynamo keeps graphs for: the shapes already captured stay fused
                 self._warn_once(f"exactdit: {state.label}: {RECOMPILE_LIMIT_REASON}; raise "
                                 "torch._dynamo.config.recompile_limit to capture more")
                 gate.count_eager(f"engine.{state.label}", RECOMPILE_LIMIT_REASON)
-                return out
-            failed = f"not captured: {type(e).__name__}: {_first_line(e)}"
-            # with forwards set on the block or its layers (hooks: offloading, caches) it fails for
-            # this block and these hooks only; the class's own code fails for all its blocks
-            hooks = _instance_forwards(module)
-            if hooks:
-                self.failed = (failed, hooks)
-            else:
-                state.failed = failed
-            self._warn_once(f"exactdit: {state.label} runs diffusers' code: {failed}")
-            gate.count_eager(f"engine.{state.label}", failed)
+                return eager(*args, **kwargs)
+            why = f"{type(e).__name__}: {_first_line(e)}"
+        return self._run_in_parts(parts, eager, *args, first_why=why, **kwargs)
+
+    def _run_in_parts(self, parts, eager, *args, first_why: str | None = None, **kwargs):
+        """``parts(...)``; ``first_why``: why the block was just found not to capture whole."""
+        state, key = self.state, _signature(args, kwargs)
+        graphs, runs = state.graphs, state.runs
+        try:
+            out = parts(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
+            out = eager(*args, **kwargs)  # eager's own error if the call is wrong (nothing recorded)
+            self._fail(f"not captured: {type(e).__name__}: {_first_line(e)}")
             return out
+        if state.runs == runs:  # Dynamo gave up on every part: the call ran as Python
+            self._fail(f"not captured: {first_why or 'Dynamo ran none of its graphs'}")
+            return out
+        if first_why is not None:
+            self._mark("in_parts", first_why)
+            self._warn_once(f"exactdit: {state.label} is captured in parts (graph breaks): {first_why}")
+        elif state.graphs != graphs and key in self.seen:
+            # captured again for inputs it has run: a few times for the states of what runs at the
+            # breaks (a cache hook computing or predicting); beyond that the parts' shapes follow
+            # the data and every step would capture anew (this call's output is the graphs' own)
+            state.recaptures += 1
+            if state.recaptures > RECAPTURES_ALLOWED:
+                self._fail(RECAPTURED_REASON, ran_eager=False)
+        self.seen.add(key)
+        return out
+
+    def _mark(self, attr: str, why: str) -> None:
+        """Record ``why`` as this block's ``attr`` ("in_parts" or "failed"): with forwards set on
+        the block or its layers (hooks: offloading, caches) for this block and these hooks only,
+        else (the class's own code) for all blocks of the class."""
+        hooks = _instance_forwards(self.module)
+        if hooks:
+            setattr(self, attr, (why, hooks))
+        else:
+            setattr(self.state, attr, why)
+        if attr == "in_parts":
+            coverage.note_in_parts(self.state.label, f"(blocks with hooks on their layers) {why}" if hooks else why)
+
+    def _fail(self, why: str, ran_eager: bool = True) -> None:
+        """From now on the block runs diffusers' code; ``ran_eager``: this call did too (counted)."""
+        self._mark("failed", why)
+        self._warn_once(f"exactdit: {self.state.label} runs diffusers' code: {why}")
+        if ran_eager:
+            gate.count_eager(f"engine.{self.state.label}", why)
 
     def _warn_once(self, message: str) -> None:
         if message not in self.state.warned:
             self.state.warned.add(message)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _compiled(fn, backend) -> tuple:
+    """``fn`` compiled as one graph, and in parts (graph breaks allowed); static shapes."""
+    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False) for whole in (True, False))
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What Dynamo's guards on a call's inputs mostly see: each tensor's shape, strides, dtype and
+    device, other values by type (and value, for numbers, strings and None)."""
+    def leaf(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), v.stride(), v.dtype, v.device)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return type(v).__name__
+
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    return (str(spec),) + tuple(leaf(v) for v in leaves)
 
 
 def _instance_forwards(module: torch.nn.Module) -> tuple:
@@ -147,12 +242,12 @@ class InnerCall:
 
     def __init__(self, owner: EngineCall, forward):
         self.owner, self.forward = owner, forward
-        self.compiled = torch.compile(forward, backend=owner.state.backend, fullgraph=True, dynamic=False)
+        self.compiled, self.parts = _compiled(forward, owner.state.backend)
 
     def __call__(self, *args, **kwargs):
         if getattr(self.owner.module, "_compiled_call_impl", None) is not self.owner:
             return self.forward(*args, **kwargs)
-        return self.owner._run(self.compiled, self.forward, *args, **kwargs)
+        return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
 
 
 def _capture_inside_hooks(call: EngineCall) -> bool:

@@ -51,7 +51,8 @@ class Production:
 @dataclass(frozen=True, eq=False)
 class Mini:
     """A diffusers transformer class at a tiny config. ``video``: inputs have a frame axis.
-    ``eager``: why the engine leaves its blocks to diffusers' code (a known limit), else None."""
+    ``eager``: why the engine ends up leaving its blocks to diffusers' code (a known limit: captured
+    in parts at first, see :mod:`exactdit.patches.engine`), else None."""
 
     name: str
     cls: str

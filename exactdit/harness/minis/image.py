@@ -80,7 +80,8 @@ _HIDREAM_LLAMA_LAYERS = 3  # stacked Llama hidden states the pipeline passes (32
     patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
     num_attention_heads=2, caption_channels=(24, 20), text_emb_dim=20, num_routed_experts=4,
     num_activated_experts=2, axes_dims_rope=(8, 4, 4), max_resolution=(16, 16), llama_layers=(0, 1, 2, 2)),
-    eager="its mixture-of-experts routes tokens by data-dependent counts (bincount().cpu())")
+    eager="its mixture-of-experts routes tokens by data-dependent counts (bincount().cpu()): captured in parts "
+          "once, the parts' shapes follow the routing")
 def _hidream(model, batch, g, dtype):
     # HiDreamImagePipeline: square (B, C, H, W) latents (the model patchifies and builds img_ids itself),
     # raw scheduler timesteps (float32, 0..1000), T5 embeds, stacked Llama hidden states

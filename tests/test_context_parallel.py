@@ -178,10 +178,10 @@ def _shard(rank: int, dim: int) -> torch.Tensor:
 
 
 def _gathers() -> list[bool]:
-    """The override is registered; per dim: ``funcol.all_gather_tensor`` routed through :func:`route_functional_all_gather`
-    (here for CPU tensors, as it is for CUDA ones under gloo) equals the unrouted op and the
-    concatenation of the shards of equal size; the uneven stand-in equals the concatenation of
-    uneven shards."""
+    """The override is registered; per dim: ``funcol.all_gather_tensor`` routed through
+    :func:`route_functional_all_gather` (here for CPU tensors, as it is for CUDA ones under gloo)
+    equals the unrouted op and the concatenation of the shards of equal size; the uneven stand-in
+    equals the concatenation of uneven shards."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 

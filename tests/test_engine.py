@@ -19,8 +19,9 @@ from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
 from exactdit.harness.models import qwen
-from tests.engine_helpers import (HALF_ONLY_GRAPHS, graph_break_then, wrap_feed_forward, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
-                                  gated_residual, rewrite_and_check, rope_graph, rows_adjacent_block, trusted)
+from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, capture_graphs, engine_eager_reasons,
+                                  gated_residual, graph_break_then, rewrite_and_check, rope_graph, rows_adjacent_block,
+                                  trusted, wrap_feed_forward)
 from tests.helpers import assert_bits_equal, rand
 
 aten = torch.ops.aten

@@ -118,8 +118,9 @@ class EngineCall:
         self.failed: tuple[str, tuple] | None = None
         self.seen: set = set()  # input signatures this block ran in parts
         with _lock:
-            self.state = _states.get(label) or _states.setdefault(
-                label, _ClassState(label).counting_backend(make_backend(label)))
+            if label not in _states:
+                _states[label] = _ClassState(label).counting_backend(make_backend(label))
+            self.state = _states[label]
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):

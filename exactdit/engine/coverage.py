@@ -32,6 +32,8 @@ class GraphReport:
     nodes: int
     seconds: float = 0.0
     failed: str | None = None
+    #: reasons ``mm`` / ``addmm`` nodes were left to cuBLAS (reason -> count)
+    gemms_left: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(name: str, gm: fx.GraphModule, partition) -> "GraphReport":
@@ -44,7 +46,10 @@ class GraphReport:
         why = collections.Counter(
             why for n, why in partition.left.items() if not is_gemm_or_attention(n)
         )
-        return GraphReport(name, regions, dict(left), dict(why), len(gm.graph.nodes))
+        from exactdit.engine.gemm import GEMM_TARGETS
+
+        gemms = collections.Counter(why for n, why in partition.left.items() if n.target in GEMM_TARGETS)
+        return GraphReport(name, regions, dict(left), dict(why), len(gm.graph.nodes), gemms_left=dict(gemms))
 
     @staticmethod
     def for_failure(name: str, gm: fx.GraphModule, why: str) -> "GraphReport":
@@ -67,6 +72,11 @@ class GraphReport:
         out.append(f"  left to ATen: {left or '-'}")
         for why, n in sorted(self.why_left.items(), key=lambda kv: -kv[1]):
             out.append(f"    x{n}: {why}")
+        fused = sum(1 for desc, _ in self.regions.values() if desc.startswith("gemm["))
+        if fused or self.gemms_left:
+            out.append(f"  GEMMs fused with their epilogue: {fused}; left to cuBLAS: {sum(self.gemms_left.values())}")
+            for why, n in sorted(self.gemms_left.items(), key=lambda kv: -kv[1]):
+                out.append(f"    x{n}: {why}")
         return out
 
 

@@ -24,7 +24,7 @@ from exactdit.numerics import (
     widen_bf16,
 )
 from exactdit.engine.tables import table_lookup
-from exactdit.kernels import layer_norm as ln_k, rms_norm as rms_k, rope as rope_k, rows as rows_k
+from exactdit.kernels import gemm as gemm_k, layer_norm as ln_k, rms_norm as rms_k, rope as rope_k, rows as rows_k
 '''
 
 _modules: dict[str, object] = {}

@@ -23,6 +23,7 @@ from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates import generate, reduction_kind, why_not_reduction
+from exactdit.engine import gemm as _gemm  # registers the GEMM template  # noqa: F401
 
 #: how many times the grouping is redone after setting nodes aside
 MAX_ROUNDS = 30
@@ -92,6 +93,8 @@ class _Group:
     external: int  # producers outside the group
     reductions: int
     split_cat: fx.Node | None = None
+    #: the GEMM whose output tile the group's kernel computes (it takes no node the GEMM reads)
+    gemm: fx.Node | None = None
 
 
 class _Grouper:
@@ -167,6 +170,11 @@ class _Grouper:
             for p in _inputs(v):
                 prod_bits |= 1 << self.pos[p]
             is_red = 1 if reduction_kind(v) is not None else 0
+            if is_red and reduction_kind(v) == "gemm":  # starts its own group: its inputs come from memory
+                g = _Group([v], bit, prod_bits, 1, gemm=v)
+                groups.append(g)
+                group_of[v] = g
+                continue
             # a smaller operand (a broadcast table or modulation vector) does not pull its consumer into
             # its group when a full-size operand's group can take it, unless nothing else uses it: two
             # chains sharing a cos table stay two regions (the table computed once), a `1 + scale`
@@ -191,6 +199,9 @@ class _Grouper:
                     mask |= g.mask
                     ext |= g.external
                     reds += g.reductions
+                gemms = [g.gemm for g in option if g.gemm is not None]
+                if len(gemms) > 1 or (gemms and self.anc[gemms[0]] & mask):
+                    continue  # a GEMM's kernel computes nothing its own operands are made of
                 splits = [g.split_cat for g in option if g.split_cat is not None]
                 split = _split_cat(v, option) if reds > 1 and not splits else None
                 if reds > 1 and split is None and not (len(splits) == 1 and not is_red):
@@ -213,6 +224,7 @@ class _Grouper:
                     groups.remove(other)
                 g.nodes.append(v)
                 g.mask, g.external, g.reductions = mask, ext, reds
+                g.gemm = next((o.gemm for o in option if o.gemm is not None), None)
                 g.split_cat = g.split_cat or split or next((o.split_cat for o in option if o.split_cat), None)
                 for n in g.nodes:
                     group_of[n] = g
@@ -260,7 +272,7 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     # or the tuple of a reduction cannot be
     bans = {
         n for n in g.nodes
-        if (any(u not in members for u in _users(n)) or n in outputs_of_graph)
+        if (any(u not in members for u in _users(n)) or n in outputs_of_graph) and n is not g.gemm
         and (reduction_kind(n) is not None or rule_for(n).kind == VIEW)
     }
     if bans:
@@ -274,7 +286,11 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
         if len(kinds) > 1:
             return None, set(reductions[1:]), None
         kind = kinds.pop()
-        anchor = g.split_cat if g.split_cat is not None else reductions[0].args[0]
+        if kind == "gemm":  # the kernel iterates the GEMM's output
+            g.split_cat = None
+            anchor = g.gemm
+        else:
+            anchor = g.split_cat if g.split_cat is not None else reductions[0].args[0]
     else:
         kind = "pointwise"
         anchor = max(outputs, key=lambda n: math.prod(shape_of(n)))
@@ -288,7 +304,7 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
         return None, wrong_size, None
     n_kernels = sum(1 for n in g.nodes if _is_compute(n))
     if n_kernels < 2:
-        return None, set(), "replaces a single kernel"
+        return None, set(), "a GEMM with no epilogue stays with cuBLAS" if g.gemm is not None else "replaces a single kernel"
     region = Region(name, kind, list(g.nodes), [], outputs, tuple(domain), reductions, anchor)
     region.tables = [n for n in g.nodes if rule_for(n) is not None and rule_for(n).kind == "table"]
     region.launches = _launches(kind, members, domain, g.split_cat)
@@ -306,7 +322,19 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     inputs.extend(p for n in g.nodes for p in _inputs(n) if p not in members and p not in inputs)
     region.inputs = inputs
     region.kernels = kernels
+    if kind == "gemm":
+        region.alternative = _epilogue_region(g, name, outputs_of_graph)
     return region, set(), None
+
+
+def _epilogue_region(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> Region | None:
+    """The GEMM region's nodes but its GEMM, as a pointwise region that reads the GEMM's output
+    (cuBLAS then this kernel: the alternative the runtime times the fused kernel against), or
+    None where that is not a region of its own (a single kernel)."""
+    rest = [n for n in g.nodes if n is not g.gemm]
+    sub = _Group(rest, 0, 0, 0)  # (masks are the grouper's business; a region needs the nodes only)
+    region, _, _ = _region_from_group(sub, name + ".epilogue", outputs_of_graph)
+    return region
 
 
 def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:

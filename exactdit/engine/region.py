@@ -49,6 +49,9 @@ class Region:
     anchor: fx.Node | None = None
     tables: list[fx.Node] = dataclasses.field(default_factory=list)
     launches: list[Launch] = dataclasses.field(default_factory=list)
+    #: a GEMM region's other way to the same bits: the GEMM left to cuBLAS and this region (its
+    #: epilogue) after it; None when the epilogue is a single kernel (ATen's then)
+    alternative: "Region | None" = None
 
     @property
     def numel(self) -> int:

@@ -9,12 +9,13 @@ returns the ATen result, and verified signatures launch the kernels only.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.fx as fx
 
 from exactdit import gate, launch
-from exactdit.engine import kernel_source, tables
+from exactdit.engine import gemm, kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
 from exactdit.engine.templates import GeneratedKernel
@@ -61,6 +62,12 @@ class RegionOp:
         self._out_layout = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
                             for n in region.outputs]
         self._out_strides = [stride for _, stride, _ in self._out_layout]
+        #: a GEMM region's way without its kernel (cuBLAS, then the epilogue), and per signature
+        #: which way was faster: (way, fused us, split us)
+        self._alternative = RegionOp(region.alternative) if region.alternative is not None else None
+        self.choices: dict[tuple, tuple[str, float, float]] = {}
+        if region.kind == "gemm":
+            _GEMM_OPS.add(self)
         self.op = gate.FusedOp(
             name=region.name,
             reference=self._reference,
@@ -80,6 +87,10 @@ class RegionOp:
         return tuple(self.reference(*inputs))
 
     def _unsupported(self, *inputs):
+        if self.region.kind == "gemm":
+            why = gemm.layout_problem(self.region, inputs)
+            if why is not None:
+                return why
         if self._complex_inputs:  # kernels read complex64 with the fp32 view's last strides (2, 1)
             for t, c in zip(inputs, self._complex_inputs):
                 if c and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -97,6 +108,8 @@ class RegionOp:
             t.device for t in inputs if isinstance(t, torch.Tensor))
         if self._complex_inputs:  # kernels read complex64 through its fp32 view
             inputs = tuple(torch.view_as_real(t) if c else t for t, c in zip(inputs, self._complex_inputs))
+        if self.region.kind == "gemm" and device.type == "cuda":
+            gemm.ensure_allocator()
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
         if gate.poison_outputs():
             _poison(outs)
@@ -108,6 +121,26 @@ class RegionOp:
         return tuple(outs)
 
     def _specialize(self, *inputs):
+        fast = self._launch_plan(*inputs)
+        if self.region.kind != "gemm" or gate.cannot_sync():
+            return fast
+        fused = fast or self._fused
+        way, t_fused, t_split = gemm.choose(fused, self._split, inputs)
+        self.choices[gate.arg_key(inputs)] = (way, t_fused, t_split)
+        return fused if way == "fused" else self._split
+
+    def _split(self, *inputs, poisoned=False):
+        """The GEMM by ATen (cuBLAS), then the epilogue's own region (or its ATen nodes)."""
+        if self._alternative is None:
+            return self._reference(*inputs)
+        env = dict(zip(self.region.inputs, inputs))
+        mm = self.region.anchor
+        env[mm] = mm.target(*fx.node.map_arg(mm.args, env.__getitem__), **fx.node.map_arg(mm.kwargs, env.__getitem__))
+        alt = self._alternative.region
+        env.update(zip(alt.outputs, self._alternative(*[env[n] for n in alt.inputs])))
+        return tuple(env[n] for n in self.region.outputs)
+
+    def _launch_plan(self, *inputs):
         """``fast(*inputs, poisoned=False)`` for calls whose inputs have exactly these inputs'
         layout (the gate's key): generated Python that allocates the outputs and calls each
         kernel's compiled launcher with every stride and constexpr already in place - no
@@ -116,6 +149,8 @@ class RegionOp:
         device = gate.args_device(inputs)
         if not launch.supported(device):
             return None
+        if self.region.kind == "gemm":
+            gemm.ensure_allocator()
         views = tuple(torch.view_as_real(t) if c else t
                       for t, c in zip(inputs, self._complex_inputs or [False] * len(inputs)))
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
@@ -182,7 +217,7 @@ class RegionOp:
                     kind = {"in": 0, "out": 1, "tab": 2, "in_stride": 0, "out_stride": 1}[p[0]]
                     i = position[k.inputs[p[1]]] if kind == 0 else p[1]
                     params.append((kind, i, p[2] if len(p) > 2 else -1))
-                kwargs = dict(k.constexprs, **consts, num_warps=k.num_warps, **LAUNCH_OPTIONS)
+                kwargs = dict(k.constexprs, **consts, num_warps=k.num_warps, **dict(k.launch_options), **LAUNCH_OPTIONS)
                 plans.append(_Launch(fn, k.grid, tuple(params), kwargs))
             self._plans[device] = plans
         return plans
@@ -202,6 +237,22 @@ class RegionOp:
             consts.update(table.spec.constexprs(f"tab{k}"))
         self._table_cache[device] = (data, consts)
         return data, consts
+
+
+_GEMM_OPS: "weakref.WeakSet[RegionOp]" = weakref.WeakSet()
+
+
+def gemm_choices() -> list[dict]:
+    """Per fused-GEMM region and signature: the GEMM's shape, its epilogue, which way ran
+    (the fused kernel, or cuBLAS then the epilogue) and the times that decided it."""
+    rows = []
+    for op in list(_GEMM_OPS):
+        a, b, _ = gemm.operands(op.region.anchor)
+        (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
+        for way, t_fused, t_split in op.choices.values():
+            rows.append({"region": op.region.name, "ops": op.region.describe(), "m": m, "k": k, "n": n,
+                         "way": way, "fused_us": round(t_fused, 1), "split_us": round(t_split, 1)})
+    return sorted(rows, key=lambda r: r["region"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,8 @@ class GeneratedKernel:
     constexprs: tuple[tuple[str, int], ...]
     grid: tuple[int, ...]
     num_warps: int
+    #: further launch options (``num_stages``) as (name, value) pairs
+    launch_options: tuple[tuple[str, int], ...] = ()
 
 
 def output_operands(region: Region) -> list[Operand]:
@@ -840,6 +842,14 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
 
 TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm": _fused_rms_norm, "mean": _mean}
 
+
+
+def register_template(kind: str, template, targets=(), check=None) -> None:
+    """Add a template defined in its own module (the GEMM's): ``kind``'s kernels come from
+    ``template``, and the nodes of ``targets`` that ``check`` accepts are its reductions."""
+    TEMPLATES[kind] = template
+    for t in targets:
+        _REDUCTIONS[t] = (kind, check)
 
 
 def generate(region: Region, launch: Launch) -> GeneratedKernel:

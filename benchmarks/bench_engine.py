@@ -29,6 +29,7 @@ import exactdit  # noqa: E402
 from benchmarks.common import (add_model_args, append_results, environment, model_and_inputs, model_label,  # noqa: E402
                                outputs_equal, write_json)
 from exactdit.engine import coverage  # noqa: E402
+from exactdit.engine.runtime import gemm_choices  # noqa: E402
 
 
 def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
@@ -101,10 +102,18 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true", help="also exactdit.patch(cuda_graphs=True)")
     ap.add_argument("--breakdown", action="store_true", help="kernel time by kind, idle gaps, SM clock, power")
+    ap.add_argument("--gemm", choices=["auto", "fused", "split"],
+                    help="fused GEMMs on (EXACTDIT_GEMM), for the exactdit run; off by default")
+    ap.add_argument("--gemm-off-too", action="store_true",
+                    help="with --gemm: also exactdit with every GEMM left to cuBLAS, in the same run")
     ap.add_argument("--group-offload", action="store_true",
                     help="diffusers' block-level group offloading (weights on the CPU, one block at a time on "
                          "the GPU, prefetched on a stream) for every path")
     args = ap.parse_args()
+    if args.gemm:
+        import os
+
+        os.environ["EXACTDIT_GEMM"] = args.gemm
     env = environment()
     t = time.perf_counter()
     tr, kw = model_and_inputs(args)
@@ -124,11 +133,17 @@ def main() -> None:
     summary = exactdit.patch(tr)
     first = first_call_s(tr, kw)
     ms, out = forward_ms(tr, kw, args.repeat)
-    rows.append(dict(path="exactdit", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
+    rows.append(dict(path=f"exactdit, EXACTDIT_GEMM={args.gemm}" if args.gemm else "exactdit", ms=ms,
+                     equal=outputs_equal(out, ref), first_call_s=first))
     print(f"exactdit {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {summary}", flush=True)
     if args.breakdown:
         rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
     lines = [line for g in coverage.graphs() for line in g.lines()]
+    choices = gemm_choices()
+    for c in choices:
+        print(f"gemm {c['region']} {c['m']}x{c['k']}x{c['n']} {c['ops']}: {c['way']} "
+              f"(fused {c['fused_us']} us, cuBLAS + epilogue {c['split_us']} us)")
+    rows[-1]["gemm_choices"] = choices
     report = exactdit.report(show=False)
     disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}
     eager_calls = {k: v["eager_reasons"] for k, v in report.items() if v["eager"]}
@@ -138,6 +153,19 @@ def main() -> None:
     if eager_calls:
         print("EAGER", eager_calls)
     exactdit.unpatch(tr)
+
+    if args.gemm_off_too:
+        import os
+
+        os.environ.pop("EXACTDIT_GEMM", None)
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        first = first_call_s(tr, kw)
+        ms, out = forward_ms(tr, kw, args.repeat)
+        rows.append(dict(path="exactdit, GEMMs left to cuBLAS", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
+        print(f"exactdit, GEMMs left to cuBLAS {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
+        exactdit.unpatch(tr)
+        torch._dynamo.reset()
 
     if args.cuda_graphs:
         from exactdit.patches import cuda_graphs
@@ -177,7 +205,7 @@ def main() -> None:
         print(f"| {r['path']} | {r['ms']:.2f} | {r['ratio_to_eager']:.2f} | {r['equal']} | {r.get('first_call_s', '')} |")
     append_results([dict(model_or_op=model, shape=shape, dtype="bf16", path=r["path"], ms=r["ms"],
                          ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
-                         **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib")
+                         **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib", "gemm_choices")
                             if k in r}) for r in rows], "benchmarks/bench_engine.py")
     write_json(f"bench_engine_{args.mini or args.model}_{'production' if args.mini else args.config}_b{args.batch}.json",
                {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})

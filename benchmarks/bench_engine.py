@@ -164,6 +164,8 @@ def main() -> None:
         ms, out = forward_ms(tr, kw, args.repeat)
         rows.append(dict(path="exactdit, GEMMs left to cuBLAS", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
         print(f"exactdit, GEMMs left to cuBLAS {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
+        if args.breakdown:
+            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
         exactdit.unpatch(tr)
         torch._dynamo.reset()
 

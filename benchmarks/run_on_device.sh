@@ -23,6 +23,10 @@
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
 #                    exactdit, exactdit + CUDA graphs
 #   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
+#   deploy           bench_deploy.py: per model, first calls at three resolutions in a row (cold caches, then warm in a
+#                    fresh process), eager / exactdit / graphs time and peak memory, graph coverage, memory left after
+#                    release; MODELS="flux qwen chroma" picks (default flux; a 14B+ model takes most of a 10-minute call),
+#                    DEPLOY_ARGS="--compile" adds regional compile's first calls
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -111,6 +115,11 @@ for stage in "$@"; do
                   "--model ernie --height 1024 --width 1024"; do
         timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
+      done ;;
+    deploy)
+      for m in ${MODELS:-flux}; do
+        timeout 590 python3 benchmarks/bench_deploy.py --models $m --timeout 190 ${DEPLOY_ARGS:-} 2>&1 | grep -v Warn | \
+          tee -a "$OUT/bench_deploy.log" | grep -E "^\||^##|^graphs:|^released|error"
       done ;;
     host)
       timeout 150 python3 benchmarks/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;

@@ -457,3 +457,28 @@ def test_a_failed_block_recording_runs_the_block_with_the_reason(stand_in):
     why = "recording failed: RuntimeError: operation not permitted when stream is capturing"
     assert _blocks()["eager_reasons"] == {why: 6} and _blocks()["fused"] == 0
     assert cuda_graphs.graphed(tr) is None
+
+
+@pytest.mark.parametrize("name, lens", [("qwen", [7, 4]), ("chroma", [7, 4])], ids=["qwen-padded", "chroma-padded"])
+def test_masked_diffusers_forwards_run_as_block_runs(stand_in, name, lens):
+    # the real forwards (masks made and read around the blocks) with a capture that fails on the
+    # whole forward as CUDA's does: every engine block call is recorded and replayed, bit for bit
+    from exactdit.patches import engine
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=1)
+    calls = [models.forward_inputs(name, tr, batch=2, text_len=lens, seed=s, height=32, width=32) for s in range(3)]
+    refs = [models.run_forward(tr, kw) for kw in calls]
+    try:
+        exactdit.patch(tr, cuda_graphs=True)
+        with torch.no_grad():
+            outs = [models.run_forward(tr, kw) for kw in calls]
+    finally:
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    per_forward = len(engine.targets(tr))
+    assert kind.captures == ["block"] * per_forward
+    cls = type(tr).__name__
+    assert _entry(cls)["graphed"] == "block runs"
+    assert _blocks(cls)["fused"] == 2 * per_forward and _blocks(cls)["eager"] == 0, _blocks(cls)

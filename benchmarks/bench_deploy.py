@@ -3,6 +3,8 @@ coverage, memory.
 
     python3 benchmarks/bench_deploy.py --models flux qwen chroma [--config full] [--compile]
         [--resolutions 1024x1024 768x1360 512x512]
+    python3 benchmarks/bench_deploy.py --models qwen --resolutions 1328x1328 --batch 2 --text-len 128 37 \
+        --skip-first-calls     # graphs with a padded text mask: time, equality, memory, coverage only
 
 Per model of the registry (``exactdit.harness.models``, production config, seeded random weights),
 each measurement in a fresh Python process so that only the disk caches carry over:
@@ -51,11 +53,18 @@ def parse_resolution(text: str) -> tuple[int, int, int | None]:
     return parts[0], parts[1], (parts[2] if len(parts) > 2 else None)
 
 
-def _inputs(name, tr, resolution, batch):
+def _inputs(name, tr, resolution, args):
+    import torch
+
     from exactdit.harness import models
 
     h, w, f = parse_resolution(resolution)
-    return models.forward_inputs(name, tr, height=h, width=w, num_frames=f, batch=batch)
+    kw = models.forward_inputs(name, tr, height=h, width=w, num_frames=f, batch=args.batch,
+                               text_len=args.text_len or None)
+    if args.mask_ones:  # Qwen-Image with a text mask of all ones (what its pipeline passes for one prompt)
+        text = kw["encoder_hidden_states"]
+        kw["encoder_hidden_states_mask"] = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+    return kw
 
 
 def _build(args):
@@ -90,7 +99,7 @@ def child_first_calls(args) -> dict:
     import exactdit
 
     tr, build_s = _build(args)
-    calls = [_inputs(args.model, tr, r, args.batch) for r in args.resolutions]
+    calls = [_inputs(args.model, tr, r, args) for r in args.resolutions]
     t = time.perf_counter()
     if args.path == "compile":
         from benchmarks.bench_engine import compile_regions
@@ -149,7 +158,7 @@ def child_memory(args) -> dict:
     from exactdit.patches import cuda_graphs
 
     tr, _ = _build(args)
-    kw = _inputs(args.model, tr, args.resolutions[0], args.batch)
+    kw = _inputs(args.model, tr, args.resolutions[0], args)
     weights_gib = torch.cuda.memory_allocated() / GIB
     result = {"weights_and_inputs_gib": weights_gib}
 
@@ -201,6 +210,8 @@ def run_child(args, kind: str, path: str, cache: str, timeout: int) -> dict:
                TRITON_CACHE_DIR=os.path.join(cache, "triton"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     cmd = [sys.executable, __file__, "--child", kind, "--path", path, "--models", args.model, "--config", args.config,
            "--batch", str(args.batch), "--repeat", str(args.repeat), "--resolutions", *args.resolutions]
+    cmd += ["--text-len", *map(str, args.text_len)] if args.text_len else []
+    cmd += ["--mask-ones"] if args.mask_ones else []
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -216,22 +227,25 @@ def run_child(args, kind: str, path: str, cache: str, timeout: int) -> dict:
 
 def measure(args) -> dict:
     model = args.model
-    result = {"model": model, "config": args.config, "batch": args.batch, "resolutions": args.resolutions}
-    paths = ["exactdit"] + (["compile"] if args.compile else [])
-    for path in paths:
-        with tempfile.TemporaryDirectory(prefix=f"deploy-{model}-{path}-") as cache:
+    result = {"model": model, "config": args.config, "batch": args.batch, "resolutions": args.resolutions,
+              "text_len": args.text_len, "mask_ones": args.mask_ones}
+    paths = [] if args.skip_first_calls else ["exactdit"] + (["compile"] if args.compile else [])
+    with tempfile.TemporaryDirectory(prefix=f"deploy-{model}-") as root:
+        for path in paths:
+            cache = os.path.join(root, path)  # empty for the cold process, what it left for the warm one
             for temperature in ("cold", "warm"):
                 result[f"{path} {temperature}"] = run_child(args, "first-calls", path, cache, args.timeout)
                 print(f"{model} {path} {temperature}: {result[f'{path} {temperature}']}", flush=True)
-    with tempfile.TemporaryDirectory(prefix=f"deploy-{model}-memory-") as cache:
-        result["memory"] = run_child(args, "memory", "exactdit", cache, args.timeout)
+        result["memory"] = run_child(args, "memory", "exactdit", os.path.join(root, "exactdit"), args.timeout)
     print(f"{model} memory: {result['memory']}", flush=True)
     return result
 
 
 def rows_of(result: dict) -> list[dict]:
     """The results file's rows of one model's measurements."""
-    label = f"{result['model']} transformer deploy ({result['config']})"
+    text = (f", text {'/'.join(map(str, result['text_len']))}" if result.get("text_len") else "") + \
+        (", mask of ones" if result.get("mask_ones") else "")
+    label = f"{result['model']} transformer deploy ({result['config']}{text})"
     batch = result["batch"]
     rows = []
     for key, value in result.items():
@@ -296,8 +310,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--resolutions", nargs="+", default=None,
                     help="HxW[xF] in a row (default: per model, production first)")
+    ap.add_argument("--text-len", type=int, nargs="+", default=None,
+                    help="real prompt tokens per row (rows of different lengths: Qwen-Image / Chroma pad with a mask)")
+    ap.add_argument("--mask-ones", action="store_true", help="Qwen-Image: pass a text mask of all ones")
     ap.add_argument("--repeat", type=int, default=5, help="timed forwards per steady-state median")
     ap.add_argument("--compile", action="store_true", help="also regional torch.compile's first calls")
+    ap.add_argument("--skip-first-calls", action="store_true", help="only the steady-state / memory process")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per child process")
     ap.add_argument("--child", choices=sorted(CHILDREN), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default="exactdit", help=argparse.SUPPRESS)

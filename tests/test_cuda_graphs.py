@@ -482,3 +482,63 @@ def test_masked_diffusers_forwards_run_as_block_runs(stand_in, name, lens):
     cls = type(tr).__name__
     assert _entry(cls)["graphed"] == "block runs"
     assert _blocks(cls)["fused"] == 2 * per_forward and _blocks(cls)["eager"] == 0, _blocks(cls)
+
+
+def test_block_outputs_are_copied_out_with_their_layouts_and_aliasing():
+    from exactdit.patches.cuda_graphs import _Outputs
+
+    base = torch.randn(2, 12, 8)
+    joint = base[:, 1:]                       # a view at an offset, gapped between rows
+    out = (joint[:, :4], joint[:, 4:], torch.arange(6.).view(2, 3).t(), None, 7)
+    outputs = _Outputs(out, align=64)
+    copied = outputs.copy()
+    a, b, c, none, seven = copied
+    assert none is None and seven == 7
+    for new, old in zip((a, b, c), out[:3]):
+        assert torch.equal(new, old) and new.stride() == old.stride() and new.shape == old.shape
+        assert new.data_ptr() % 64 == old.data_ptr() % 64 and new.data_ptr() != old.data_ptr()
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # still views of one copy
+    assert b.data_ptr() - a.data_ptr() == out[1].data_ptr() - out[0].data_ptr()
+    base.zero_()  # the next replay rewrites the pool: what was copied out stays
+    assert torch.equal(a, copied[0]) and a.abs().sum() > 0
+
+
+class OptionsBlock(ToyBlock):
+    def forward(self, x, temb, scale=1.0, options=None):
+        return super().forward(x, temb, options.scale if options is not None else scale)
+
+
+def test_a_block_given_an_object_is_not_recorded(stand_in):
+    import types
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    tr._repeated_blocks = ["OptionsBlock"]
+    tr.blocks[0] = OptionsBlock().to(torch.bfloat16)
+    options = types.SimpleNamespace(scale=1.0)
+    forward = tr.forward
+
+    def with_options(x, temb):  # (an instance forward: the whole forward is not recorded either)
+        keep = torch.tensor([1.0] * x.shape[0], dtype=x.dtype).view(-1, 1, 1)
+        x = tr.blocks[0](x, temb, options=options)
+        for block in tr.blocks[1:]:
+            x = block(x, temb)
+        return tr.out(x * keep)
+
+    a = _toy_inputs(6)
+    ref = _calls(tr, [a])[0]
+    tr.forward = with_options
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a] * 3)
+        options.scale = 0.5  # read at every call: a recording would have frozen 1.0
+        halved = _calls(tr, [a])[0]
+    finally:
+        exactdit.unpatch(tr)
+        tr.forward = forward
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert not torch.equal(halved, ref)
+    reasons = _blocks()["eager_reasons"]
+    assert reasons == {"an argument that is neither a tensor nor a plain value": 4}, reasons
+    assert kind.captures == []

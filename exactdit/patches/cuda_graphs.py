@@ -55,6 +55,8 @@ from exactdit.patches.engine import _first_line
 logger = logging.getLogger("exactdit")
 
 _PLAIN_LEAVES = (torch.Tensor, type(None), bool, int, float, str)
+#: what a block call's arguments may hold to be recorded: tensors and values compared by value
+_KEY_LEAVES = _PLAIN_LEAVES + (complex, torch.dtype, torch.device)
 
 #: graphs kept per model (whole forwards) and per block (block graphs); the oldest is dropped beyond this
 MAX_GRAPHS = 8
@@ -128,8 +130,61 @@ class _BlockGraph:
     graph: object
     #: (leaf index, static input): each tensor argument once (a tensor passed twice is copied once)
     copies: list[tuple[int, torch.Tensor]]
-    static_out: object  # unowned views of the pool: read (cloned) right after each replay
+    outputs: "_Outputs"  # unowned views of the pool: copied out right after each replay
     memory_bytes: int
+
+
+class _Outputs:
+    """A block graph's outputs, copied out of the pool after each replay as the recorded call
+    returned them: each storage's span once (outputs that were views of one tensor stay views of
+    one copy), every output with its strides, storage offset and address modulo the alignment, so
+    that what follows (eager ATen, the next block's signature) meets the eager call's layouts."""
+
+    def __init__(self, out, align: int):
+        leaves, self.spec = pytree.tree_flatten(out)
+        self.leaves = list(leaves)
+        by_storage: dict[int, list[int]] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                by_storage.setdefault(x.untyped_storage().data_ptr(), []).append(i)
+        self.groups = []  # (unowned byte span, lead bytes, [(leaf index, dtype, offset, shape, stride)])
+        for members in by_storage.values():
+            tensors = [leaves[i] for i in members]
+            spans = [_byte_span(t) for t in tensors]
+            start, end = min(a for a, _ in spans), max(b for _, b in spans)
+            lead = start % align
+            if end == start or any((lead + t.data_ptr() - start) % t.element_size() for t in tensors):
+                for i in members:  # empty, or dtypes that cannot share one buffer: plain copies
+                    self.groups.append((None, 0, [(i, None, None, None, None)]))
+                continue
+            base = tensors[0].untyped_storage().data_ptr()
+            src = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(
+                tensors[0].untyped_storage(), start - base, (end - start,), (1,))
+            views = [(i, t.dtype, (lead + t.data_ptr() - start) // t.element_size(), tuple(t.shape), t.stride())
+                     for i, t in zip(members, tensors)]
+            self.groups.append((src, lead, views))
+
+    def copy(self) -> object:
+        leaves = list(self.leaves)
+        for src, lead, views in self.groups:
+            if src is None:
+                i = views[0][0]
+                leaves[i] = leaves[i].clone()
+                continue
+            buf = torch.empty(lead + src.numel(), dtype=torch.uint8, device=src.device)
+            buf[lead:].copy_(src)
+            storage = buf.untyped_storage()
+            for i, dtype, offset, shape, stride in views:
+                leaves[i] = torch.empty(0, dtype=dtype, device=src.device).set_(storage, offset, shape, stride)
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first byte, past the last byte] ``t``'s elements occupy."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 _SEEN = "seen"  # a block signature that ran normally once (verified): recorded at its next call
@@ -189,6 +244,11 @@ class GraphedCall:
         out = self._with_runner(modes, False, args, kwargs)
         gate.count_eager(self.name, FIRST_CALL)
         self._record(key, leaves, spec)
+        recorded = self.graphs.get(key)
+        if isinstance(recorded, _Blocks):
+            self._describe(BLOCKS, recorded.why)
+        elif recorded is not None:
+            self._describe(WHOLE, None)
         return out
 
     def _with_runner(self, modes: tuple, record: bool, args: tuple, kwargs: dict):
@@ -299,8 +359,9 @@ class GraphedCall:
             table[key] = "the block writes into its inputs"
             return None
         copies = [(i, KIND.unowned(statics[i])) for i in index]
-        static_out = pytree.tree_map(lambda x: KIND.unowned(x) if isinstance(x, torch.Tensor) else x, out)
-        recorded = _BlockGraph(graph, copies, static_out, KIND.reserved(device) - before)
+        outputs = _Outputs(pytree.tree_map(lambda x: KIND.unowned(x) if isinstance(x, torch.Tensor) else x, out),
+                           KIND.align)
+        recorded = _BlockGraph(graph, copies, outputs, KIND.reserved(device) - before)
         del statics, out  # their memory goes back to the pool: the next block graph's scratch
         table[key] = recorded
         return recorded
@@ -310,8 +371,7 @@ class GraphedCall:
             _written(static).copy_(_written(leaves[i]))
         recorded.graph.replay()
         gate.count_fused(self.blocks_name)
-        # clones, at once: the next block graph may use this memory
-        return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, recorded.static_out)
+        return recorded.outputs.copy()  # at once: the next block graph may use this memory
 
     # --- what the report shows --------------------------------------------------------------------
 
@@ -343,11 +403,10 @@ class _BlockRunner:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         why = _engine_status(call) or owner.watch.block_reason(call.module, inner) or KIND.unsupported(leaves)
         if why is None:
-            key = (spec, _leaf_key(leaves, KIND.align), _aliases(leaves), inner, self.modes)
-            try:
-                hash(key)
-            except TypeError:
-                why = "an argument that is neither a tensor nor hashable"
+            if not all(isinstance(x, _KEY_LEAVES) for x in leaves):  # (an object's state would be frozen)
+                why = "an argument that is neither a tensor nor a plain value"
+            else:
+                key = (spec, _leaf_key(leaves, KIND.align), _aliases(leaves), inner, self.modes)
         if why is not None:
             if self.record:
                 gate.count_eager(owner.blocks_name, why)

@@ -128,8 +128,9 @@ class _Blocks:
 @dataclasses.dataclass
 class _BlockGraph:
     graph: object
-    #: (leaf index, static input): each tensor argument once (a tensor passed twice is copied once)
-    copies: list[tuple[int, torch.Tensor]]
+    #: (leaf index, static input without its broadcast dims, whether it has any): each tensor
+    #: argument once (a tensor passed twice is copied once)
+    copies: list[tuple[int, torch.Tensor, bool]]
     outputs: "_Outputs"  # unowned views of the pool: copied out right after each replay
     memory_bytes: int
 
@@ -336,7 +337,8 @@ class GraphedCall:
         def call(statics):
             versions = [s._version for s in statics.values()]
             static_leaves = [statics[tensors[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves]
-            args, kwargs = pytree.tree_unflatten(static_leaves, spec)
+            it = iter(static_leaves)
+            args, kwargs = _rebuild(spec[0], it), _rebuild(spec[1], it)
             out = run(*args, **kwargs)
             return out, versions != [s._version for s in statics.values()]
 
@@ -358,7 +360,7 @@ class GraphedCall:
         if wrote:  # the caller's tensors would not see the write
             table[key] = "the block writes into its inputs"
             return None
-        copies = [(i, KIND.unowned(statics[i])) for i in index]
+        copies = [(i, _written(KIND.unowned(statics[i])), _has_broadcast(statics[i])) for i in index]
         outputs = _Outputs(pytree.tree_map(lambda x: KIND.unowned(x) if isinstance(x, torch.Tensor) else x, out),
                            KIND.align)
         recorded = _BlockGraph(graph, copies, outputs, KIND.reserved(device) - before)
@@ -367,8 +369,8 @@ class GraphedCall:
         return recorded
 
     def _replay_block(self, recorded: _BlockGraph, leaves: list) -> object:
-        for i, static in recorded.copies:
-            _written(static).copy_(_written(leaves[i]))
+        for i, static, broadcast in recorded.copies:
+            static.copy_(_written(leaves[i]) if broadcast else leaves[i])
         recorded.graph.replay()
         gate.count_fused(self.blocks_name)
         return recorded.outputs.copy()  # at once: the next block graph may use this memory
@@ -400,7 +402,8 @@ class _BlockRunner:
         if owner.capturing or id(call.module) not in owner.watch.module_ids:  # a nested call, another model
             return call.run_engine(compiled, parts, eager, *args, **kwargs)
         inner = compiled is not call.compiled  # beneath the block's diffusers hooks
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves = []
+        spec = (_walk(args, leaves), _walk(kwargs, leaves))
         why = _engine_status(call) or owner.watch.block_reason(call.module, inner) or KIND.unsupported(leaves)
         if why is None:
             if not all(isinstance(x, _KEY_LEAVES) for x in leaves):  # (an object's state would be frozen)
@@ -475,6 +478,33 @@ def _empty_layout(t: torch.Tensor, align: int = 512) -> torch.Tensor:
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
     base = torch.empty(offset + span, dtype=t.dtype, device=t.device)
     return base.as_strided(t.shape, t.stride(), offset)
+
+
+def _walk(value, leaves: list):
+    """A block call's arguments flattened: appends the leaves to ``leaves`` and returns the
+    structure (plain tuples, lists and dicts; anything else is a leaf), hashable and cheap to
+    compare (torch's pytree specs cost tens of microseconds per call to build and hash)."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return (kind, tuple([_walk(v, leaves) for v in value]))
+    if kind is dict:
+        return (dict, tuple([(k, _walk(v, leaves)) for k, v in value.items()]))
+    leaves.append(value)
+    return None
+
+
+def _rebuild(structure, leaves):
+    """The inverse of :func:`_walk`: ``structure`` filled from the iterator ``leaves``."""
+    if structure is None:
+        return next(leaves)
+    kind, items = structure
+    if kind is dict:
+        return {k: _rebuild(v, leaves) for k, v in items}
+    return kind(_rebuild(v, leaves) for v in items)
+
+
+def _has_broadcast(t: torch.Tensor) -> bool:
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
 
 
 def _written(t: torch.Tensor) -> torch.Tensor:

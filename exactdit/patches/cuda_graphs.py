@@ -22,14 +22,15 @@ runs as Python and each call of a block the engine captured (``engine.EngineCall
 blocks and final norms) is recorded by itself, the way torch.compile's CUDA-graph trees graph each
 compiled region: per block and block signature, the first call runs normally (verifying), the
 next is recorded and replayed, later ones replayed. A block graph's inputs and outputs are scratch
-of the model's pool, not kept alive: a replay copies the call's tensors in and returns clones of
-the outputs at once, so every block graph may reuse the same memory (the pool holds about one
-block's activations, not one per block) and nothing a caller holds is ever overwritten. Blocks
-under diffusers hooks (the first-block cache, MagCache) are recorded beneath them: the hooks run
-as Python around the block's graph. Blocks not recorded, with the reason: blocks captured in parts
-(Python at their graph breaks) or running diffusers' code, blocks with hooks on their layers or
-torch forward hooks (traced into their graph, which would freeze their Python), blocks that
-write into their inputs, arguments that are not tensors or hashable values.
+of the model's pool, not kept alive: a replay copies the call's tensors in and returns copies of
+the outputs at once (their strides, offsets and views as recorded), so every block graph may
+reuse the same memory (the pool holds about one block's activations, not one per block) and
+nothing a caller holds is ever overwritten. Blocks under diffusers hooks (the first-block cache,
+MagCache) are recorded beneath them: the hooks run as Python around the block's graph. Blocks not
+recorded, with the reason: blocks captured in parts (Python at their graph breaks) or running
+diffusers' code, blocks with hooks on their layers or torch forward hooks (traced into their
+graph, which would freeze their Python), blocks that write into their inputs, arguments that are
+not tensors or plain values.
 
 Calls run without any graph (counted, with the reason, in ``exactdit.report()``) when a graph could
 not be exact or safe: CPU tensors among the arguments, autograd recording, hooks that move weights

@@ -542,3 +542,18 @@ def test_a_block_given_an_object_is_not_recorded(stand_in):
     reasons = _blocks()["eager_reasons"]
     assert reasons == {"an argument that is neither a tensor nor a plain value": 4}, reasons
     assert kind.captures == []
+
+
+def test_a_deleted_graphed_model_is_released(stand_in):
+    import gc
+    import weakref
+
+    stand_in(forward=HOST_COPY)
+    tr = _toy()
+    a = _toy_inputs(7)
+    exactdit.patch(tr, cuda_graphs=True)
+    outs = _calls(tr, [a] * 3)  # recorded and replayed: block tables, outputs, the runner
+    alive = weakref.ref(tr)
+    del tr, outs
+    gc.collect()
+    assert alive() is None

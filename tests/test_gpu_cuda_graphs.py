@@ -116,27 +116,9 @@ def test_masked_forwards_graph_their_blocks_bit_identically(case):
     assert stats["graphed"] == "block runs", stats
     assert "Cannot copy between CPU and CUDA" in stats["graphed_why"] or "recording failed" in stats["graphed_why"]
     _assert_block_runs(tr, signatures=2, calls_each=3)
-    assert graphed["block_graphs"] > 0 and graphed["graphs"] == 0, graphed
+    assert graphed["block_graphs"] > 0 and graphed["graphs"] == 0 and graphed["memory_bytes"] >= 0, graphed
     assert "block runs" in str(exactdit.report(show=False))
     assert not any(v["disabled"] for v in exactdit.report(show=False).values())
-
-
-def test_block_graphs_share_one_pool_of_about_one_blocks_activations():
-    # the block graphs' inputs, intermediates and outputs are scratch: the pool does not grow with
-    # the number of blocks (a whole-forward graph's pool is the reference)
-    tr = models.build_transformer("chroma", "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
-    (kw,) = _masked_calls("chroma", tr, [2])
-    exactdit.patch(tr, cuda_graphs=True)
-    try:
-        for _ in range(3):
-            _run(tr, kw)
-        graphed = cuda_graphs.graphed(tr)
-        memory = graphed.summary()["memory_bytes"]
-        one = max(r.memory_bytes for t in graphed.blocks.values() for r in t.values()
-                  if isinstance(r, cuda_graphs._BlockGraph))
-    finally:
-        exactdit.unpatch(tr)
-    assert memory <= 2 * one + 2**21, (memory, one)
 
 
 def test_outputs_are_not_overwritten_by_the_next_replay():
@@ -205,3 +187,26 @@ def test_cache_hooks_keep_their_python_and_the_blocks_beneath_replay():
     stats = _stats("FluxTransformer2DModel")
     assert stats["graphed"] == "block runs" and "diffusers hooks" in stats["graphed_why"], stats
     assert _stats("FluxTransformer2DModel.blocks")["fused"] > 0
+
+
+@pytest.mark.parametrize("case", ["flux", "chroma"])  # a whole-forward graph, block runs
+def test_a_deleted_graphed_model_leaves_no_memory(case):
+    import gc
+    import weakref
+
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    tr = models.build_transformer(case, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
+    kw = _calls(case, tr, [2])[0]
+    exactdit.patch(tr, cuda_graphs=True)
+    for _ in range(3):
+        _run(tr, kw)
+    assert _stats(type(tr).__name__)["graphed"] == ("whole forward" if case == "flux" else "block runs")
+    alive = weakref.ref(tr)
+    del tr, kw
+    gc.collect()
+    torch.cuda.synchronize()
+    assert alive() is None
+    # (cuBLAS keeps a workspace per stream it ran on: the recording stream's stays)
+    assert torch.cuda.memory_allocated() - before <= 0.1 * 2**30

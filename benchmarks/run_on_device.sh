@@ -23,6 +23,12 @@
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
 #                    exactdit, exactdit + CUDA graphs
 #   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
+#   deploy           bench_deploy.py: per model, first calls at three resolutions in a row (cold caches, then warm in a
+#                    fresh process), eager / exactdit / graphs time and peak memory, graph coverage, memory left after
+#                    release; MODELS="flux qwen chroma" picks (default flux; a 14B+ model takes most of a 10-minute call),
+#                    DEPLOY_ARGS="--compile" adds regional compile's first calls
+#   graphs-masked    bench_deploy.py --skip-first-calls: Qwen-Image 1328^2 (mask of ones; B=2 padded 128/37 tokens),
+#                    1024^2 padded, Chroma 1024^2 padded: eager / exactdit / graphs time, equality, memory, coverage
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -101,7 +107,7 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/zimage_padded_equality.log" | tail -3 ;;
     graphs-tests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;
     graphs-bench)
       timeout 240 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 \
@@ -111,6 +117,19 @@ for stage in "$@"; do
                   "--model ernie --height 1024 --width 1024"; do
         timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
+      done ;;
+    deploy)
+      for m in ${MODELS:-flux}; do
+        timeout 590 python3 benchmarks/bench_deploy.py --models $m --timeout 190 ${DEPLOY_ARGS:-} 2>&1 | grep -v Warn | \
+          tee -a "$OUT/bench_deploy.log" | grep -E "^\||^##|^graphs:|^released|error"
+      done ;;
+    graphs-masked)
+      for a in "--models qwen --resolutions 1328x1328 --mask-ones" \
+               "--models qwen --resolutions 1328x1328 --batch 2 --text-len 128 37" \
+               "--models qwen --resolutions 1024x1024 --batch 2 --text-len 128 37" \
+               "--models chroma --resolutions 1024x1024 --batch 2 --text-len 128 37"; do
+        timeout 145 python3 benchmarks/bench_deploy.py $a --skip-first-calls --timeout 140 2>&1 | grep -v Warn | \
+          tee -a "$OUT/graphs_masked.log" | grep -E "^\||^##|^graphs:|^released|error"
       done ;;
     host)
       timeout 150 python3 benchmarks/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;

@@ -207,6 +207,18 @@ def count_eager(name: str, reason: Reason) -> None:
     _count_eager(_op_stats(name), reason)
 
 
+#: name -> fields shown with that name's entry in the report (a model patch's own state: what a
+#: model's CUDA graphs cover, ``{"graphed": ..., "graphed_why": ...}``)
+_details: dict[str, dict] = {}
+
+
+def describe(name: str, **fields) -> None:
+    """Show ``fields`` with the report entry ``name`` (replacing what was shown before)."""
+    _op_stats(name)
+    with _lock:
+        _details[name] = fields
+
+
 def count_fused(name: str) -> None:
     """Record that a site named ``name`` ran its fast path (e.g. a CUDA-graph replay)."""
     _count_fused(_op_stats(name))
@@ -414,6 +426,10 @@ class Report(dict):
         for name, e in sorted(self.items()):
             for sig, why in e["disabled"].items():
                 lines.append(f"disabled {name} {sig}: {why}")
+        for name, e in sorted(self.items()):
+            if "graphed" in e:
+                lines.append(f"CUDA graphs of {name.split('.', 1)[-1]}: {e['graphed']}"
+                             + (f" ({e['graphed_why']})" if e.get("graphed_why") else ""))
         from exactdit.engine import coverage
 
         for label, why in sorted(coverage.in_parts().items()):
@@ -441,6 +457,8 @@ def report(show: bool = True) -> Report:
                 for name, st in _stats.items()
             }
         )
+        for name, fields in _details.items():
+            result[name].update(fields)
     if show:
         print(result)
     return result
@@ -459,3 +477,4 @@ def reset() -> None:
     """Forget everything, verified and disabled signatures included (tests)."""
     with _lock:
         _stats.clear()
+        _details.clear()

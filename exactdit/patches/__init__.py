@@ -6,7 +6,8 @@ Any transformer with repeated blocks goes through the engine (:mod:`exactdit.pat
 its blocks are captured once per class and their ATen graphs rewritten. ERNIE-Image also has a
 hand-written mirror of its forwards (:mod:`exactdit.patches.ernie_image`, ``mirror=True``),
 pinned to the diffusers source it was written against. ``cuda_graphs=True`` records the whole
-transformer forward into CUDA graphs (:mod:`exactdit.patches.cuda_graphs`).
+transformer forward into CUDA graphs, or where it cannot be recorded its block calls
+(:mod:`exactdit.patches.cuda_graphs`).
 """
 
 from __future__ import annotations

@@ -103,6 +103,10 @@ RECAPTURES_ALLOWED = 4
 RECAPTURED_REASON = ("not captured: its graph breaks leave shapes that follow the data (captured again "
                      f"for input shapes it had run, more than {RECAPTURES_ALLOWED} times)")
 _lock = threading.Lock()
+#: ``block_calls.runner``, set by :mod:`exactdit.patches.cuda_graphs` on this thread while a model
+#: whose blocks it graphs runs its forward: ``runner(call, compiled, parts, eager, args, kwargs)``
+#: then takes every block call (it records or replays it, or calls ``call.run_engine``)
+block_calls = threading.local()
 
 
 class EngineCall:
@@ -129,6 +133,12 @@ class EngineCall:
         return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
+        runner = getattr(block_calls, "runner", None)
+        if runner is not None:  # a CUDA-graphed model's forward: the runner records or replays the call
+            return runner(self, compiled, parts, eager, args, kwargs)
+        return self.run_engine(compiled, parts, eager, *args, **kwargs)
+
+    def run_engine(self, compiled, parts, eager, *args, **kwargs):
         """``compiled(...)`` (one graph); where Dynamo cannot capture the block whole, ``parts(...)``
         (graphs between graph breaks); where neither can run, ``eager(...)`` (counted, with the reason)."""
         module, state = self.module, self.state

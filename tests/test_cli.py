@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import exactdit
 from exactdit import references
-from exactdit.cli import main
+from exactdit.cli import MODEL_CHOICES, main
 from exactdit.numerics import INTERPRET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +74,30 @@ def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):
     assert res.exit_code == 0, res.output
     assert "FluxPipeline" in res.output and "EQUAL" in res.output and "DIFFERENT" not in res.output
     assert "graph FluxTransformer2DModel.FluxTransformerBlock" in res.output
+
+
+def test_demo_lists_exactly_the_registered_models():
+    from exactdit.harness import models
+
+    assert MODEL_CHOICES == models.model_names()
+    res = invoke("demo", "--help")
+    for name in MODEL_CHOICES:
+        assert name in res.output
+
+
+@pytest.mark.parametrize("model", MODEL_CHOICES)
+def test_demo_runs_every_listed_model_equal(model, tmp_path):
+    """Every model `demo --help` lists runs through its diffusers pipeline to EQUAL (issue 35, item 1:
+    Wan pipelines return .frames, not .images). One tiny step each: 5-20 s on 2 CPU cores."""
+    out = tmp_path / "demo"
+    res = invoke("demo", "--model", model, "--config", "tiny", "--steps", 1, "--out", out, "--device", "cpu",
+                 "--no-progress", "--warmup", 0)
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output
+    assert "result    EQUAL" in res.output and "DIFFERENT" not in res.output
+    for f in ("demo_latents.png", "perf_eager.json", "perf_patched.json"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "perf_patched.json").read_text())["outputs"]["verdict"] == "EQUAL"
 
 
 def test_demo_with_cuda_graphs_on_the_cpu_runs_unrecorded_and_equal(tmp_path):

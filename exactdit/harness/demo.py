@@ -310,15 +310,27 @@ def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None
         with torch.no_grad():
             _sync(device)
             start = time.perf_counter()
-            images = pipe(**call, callback_on_step_end=on_step).images
+            result = pipe(**call, callback_on_step_end=on_step)
             _sync(device)
             total = time.perf_counter() - start
     finally:
         if bar is not None:
             bar.close()
+    images = pipeline_output(result)
     latents = images if isinstance(images, torch.Tensor) else torch.stack([torch.as_tensor(x) for x in images])
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     return latents, total, steps_s
+
+
+def pipeline_output(result):
+    """What a diffusers pipeline returned: ``.images`` (image pipelines) or ``.frames`` (video pipelines
+    such as Wan's), or the first element of a tuple."""
+    for name in ("images", "frames"):
+        if hasattr(result, name):
+            return getattr(result, name)
+    if isinstance(result, (tuple, list)) and result:
+        return result[0]
+    raise HarnessError(f"{type(result).__name__} holds neither images nor frames")
 
 
 def image_latents(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -112,7 +112,7 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
              use_pe, device, dtype, warmup, cuda_graphs) -> None:
     """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
     from exactdit.harness import _api
-    from exactdit.harness.demo import HarnessError
+    from exactdit.harness.demo import HarnessError, out_of_memory
     from exactdit.harness.generate import GenerateOptions, ModelDirError, run_generate, validate_model_dir
 
     try:
@@ -127,6 +127,10 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
         _, code = run_generate(opts, echo=click.echo)
     except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:
         raise _fail(exc) from None
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _fail(HarnessError(f"out of memory at --height {height} --width {width}: use a smaller size")) from None
     sys.exit(code)
 
 
@@ -160,20 +164,49 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
 
     from exactdit.engine import coverage
     from exactdit.harness import models
-    from exactdit.harness.demo import HarnessError, resolve_device
+    from exactdit.harness.demo import (HarnessError, check_activation_memory, check_memory, latent_tokens,
+                                       out_of_memory, resolve_device, widest_linear)
 
+    spec = models.get_spec(model)
+    if frames is not None and not spec.video:
+        raise click.BadParameter(f"{model} is an image model; --frames applies to video models only",
+                                 param_hint="'--frames'")
+    if frames is not None and (frames - 1) % 4:
+        raise click.BadParameter(f"{model} takes 4k+1 frames (1, 5, 9, ...), got {frames}", param_hint="'--frames'")
+    for name, value in (("--height", height), ("--width", width)):
+        if value is not None and value % spec.pixel_multiple:
+            raise click.BadParameter(f"{model} needs a multiple of {spec.pixel_multiple}, got {value}",
+                                     param_hint=f"'{name}'")
+    dtype = torch.bfloat16
     try:
         dev = resolve_device(device)
         config = config or ("full" if dev.type == "cuda" else "tiny")
         small = config in ("tiny", "diffusers_test")
-        video = models.get_spec(model).video
-        tr = models.build_transformer(model, config, dtype=torch.bfloat16, device=dev)
-        kw = models.forward_inputs(model, tr, height=height or (64 if small else None),
-                                   width=width or (64 if small else None),
-                                   num_frames=frames or (5 if video and small else None), batch=batch)
+        prod = spec.production
+        height = height or (64 if small else prod.height)
+        width = width or (64 if small else prod.width)
+        frames = (frames or (5 if small else prod.num_frames)) if spec.video else None
+        weights = check_memory(model, config, dtype, dev)
+        size = f"{height}x{width}" + (f"x{frames} frames" if frames else "")
+        # a lower bound: the widest linear layer's input or output over every token, in and out at once
+        need = latent_tokens(model, height, width, frames, batch) * widest_linear(model, config) * dtype.itemsize * 2
+        check_activation_memory(need, f"--height {height} --width {width}" + (f" --frames {frames}" if frames else "")
+                                + (f" --batch {batch}" if batch > 1 else ""), dev,
+                                "use a smaller --height / --width" + (" / --frames" if frames else ""))
+        from exactdit.harness.perf import device_info
+
+        click.echo(f"exactdit coverage: {model} config={config} ({weights // dtype.itemsize / 1e6:.2f}M params), "
+                   f"bf16, {size}, batch {batch}, {dev.type} ({device_info(dev).get('name')})")
+        tr = models.build_transformer(model, config, dtype=dtype, device=dev)
+        kw = models.forward_inputs(model, tr, height=height, width=width, num_frames=frames, batch=batch)
+        measured = coverage.measure(tr, kw)
     except (HarnessError, ValueError) as exc:
         raise _fail(exc) from None
-    measured = coverage.measure(tr, kw)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _fail(HarnessError(f"out of memory at {size}, batch {batch} on {dev.type}: use a smaller size"
+                                 )) from None
     for graph, timer, partition in measured:
         click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
     click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))

@@ -68,6 +68,42 @@ def test_coverage_lists_regions_and_the_fused_share():
     assert 50 < share <= 100
 
 
+def test_coverage_says_what_it_measures(monkeypatch):
+    from exactdit.engine import coverage
+
+    monkeypatch.setattr(coverage, "measure", lambda tr, kw: [])
+    res = invoke("coverage", "--model", "wan", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("exactdit coverage: wan config=tiny (")
+    assert "bf16, 64x64x5 frames, batch 1, cpu (" in res.output.splitlines()[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "flux", "--frames", "5"], "Invalid value for '--frames': flux is an image model"),
+    (["--model", "wan", "--frames", "6"], "Invalid value for '--frames': wan takes 4k+1 frames"),
+    (["--model", "flux", "--height", "30"], "Invalid value for '--height': flux needs a multiple of 16, got 30"),
+])
+def test_coverage_bad_geometry_names_the_option(args, needle):
+    res = invoke("coverage", "--device", "cpu", *args)
+    assert_clean_error(res, 2, needle)
+    assert "num_frames" not in res.output
+
+
+def test_coverage_huge_size_is_refused_before_any_allocation(monkeypatch):
+    from exactdit.harness import demo as demo_mod
+    from exactdit.harness import models
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the transformer was built before the size was checked")
+
+    monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 16 << 30)
+    monkeypatch.setattr(models, "build_transformer", no_build)
+    res = invoke("coverage", "--model", "flux", "--height", 100000, "--width", 100000, "--device", "cpu")
+    assert_clean_error(res, 1, "Error: --height 100000 --width 100000 needs at least", "GiB for its activations",
+                       "only 16.0 GiB is free on cpu; use a smaller --height / --width")
+    assert len(res.output.strip().splitlines()) == 1
+
+
 def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):
     res = invoke("demo", "--model", "flux", "--config", "tiny", "--steps", 2, "--out", tmp_path, "--device", "cpu",
                  "--no-progress", "--dtype", "bf16")
@@ -309,6 +345,38 @@ def test_generate_bad_size_is_refused_before_loading(tiny_pipe_dir, tmp_path, mo
     res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--height", 30, "--width", 32,
                  "--steps", 1, "--out", tmp_path)
     assert_clean_error(res, 1, "Error: --height and --width must be multiples of 4 for this model (got 30x32)")
+
+
+def test_generate_huge_size_is_refused_before_loading(tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import demo as demo_mod
+    from exactdit.harness import generate as gen_mod
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the size was checked")
+
+    monkeypatch.setattr(gen_mod, "load_pipeline", no_load)
+    monkeypatch.setattr(demo_mod, "available_bytes", lambda device: 16 << 30)
+    out = tmp_path / "o"
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "cat", "--height", 100000, "--width",
+                 100000, "--steps", 1, "--out", out, "--device", "cpu")
+    # 1e10 pixels x 8 VAE channels x 4 bytes, input and output of the decoder's last block
+    assert_clean_error(res, 1, "Error: --height 100000 --width 100000 needs at least 596.0 GiB",
+                       "only 16.0 GiB is free on cpu")
+    assert not out.exists()
+
+
+def test_generate_out_of_memory_is_one_line(tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import generate as gen_mod
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(gen_mod, "timed_run", oom)
+    out = tmp_path / "o"
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "cat", "--height", 32, "--width", 32,
+                 "--steps", 1, "--out", out, "--device", "cpu")
+    assert_clean_error(res, 1, "Error: out of memory at --height 32 --width 32: use a smaller size")
 
 
 def test_generate_use_pe_note_comes_before_loading(tiny_pipe_dir, tmp_path, monkeypatch):

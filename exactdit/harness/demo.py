@@ -92,6 +92,45 @@ def check_memory(model: str, config: str, dtype: torch.dtype, device: torch.devi
     return need
 
 
+def gib(n: int | float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_activation_memory(need: int, what: str, device: torch.device, fix: str) -> None:
+    """Refuse, before anything is allocated, a run whose activations alone (``need`` bytes, a lower
+    bound) exceed the free memory of ``device``, instead of a failed allocation or the OOM killer."""
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise HarnessError(f"{what} needs at least {gib(need)} for its activations but only {gib(have)} is free "
+                           f"on {device.type}; {fix}")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CUDA OOM, or the CPU allocator's refusal)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
+
+
+def latent_tokens(model: str, height: int, width: int, num_frames: int | None, batch: int = 1) -> int:
+    """Transformer tokens of one forward at this geometry (video: 4x temporal compression)."""
+    spec = models.get_spec(model)
+    m = spec.pixel_multiple
+    frames = (num_frames - 1) // 4 + 1 if spec.video and num_frames else 1
+    return batch * max(1, height // m) * max(1, width // m) * frames
+
+
+def widest_linear(model: str, config: str) -> int:
+    """The largest in/out width of the transformer's linear layers (built on the meta device)."""
+    from .models.core import default_dtype as constructing, parameters_on_meta
+
+    spec = models.get_spec(model)
+    with constructing(torch.float32), parameters_on_meta():
+        tr = spec.transformer_cls(**spec.config(config))
+    return max((max(m.in_features, m.out_features) for m in tr.modules() if isinstance(m, torch.nn.Linear)),
+               default=1)
+
+
 #: image (video) size the demo samples per config; "full" uses the model's production size
 DEMO_SIZES = {"tiny": (64, 64, 5), "diffusers_test": (32, 32, 5), "small": (512, 512, 9)}
 

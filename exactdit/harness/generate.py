@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import _api, ab, metrics, perf
-from .demo import HarnessError, default_dtype, no_gpu_note, resolve_device
+from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device
 from .sampling import synchronize
 from .tiny import dtype_from_name
 
@@ -85,22 +85,36 @@ def _read_json_object(path: Path) -> dict:
     return obj
 
 
+def vae_channels(model_path: str | Path) -> list[int]:
+    """The VAE's ``block_out_channels`` from vae/config.json (read before the slow load)."""
+    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
+    channels = _read_json_object(cfg_path).get("block_out_channels")
+    if not isinstance(channels, list) or not channels or not all(isinstance(c, int) and c > 0 for c in channels):
+        raise ModelDirError(f"{cfg_path} has no block_out_channels list")
+    return channels
+
+
 def size_multiple(model_path: str | Path) -> int:
     """What height and width must be multiples of: the pipeline's ``vae_scale_factor``, worked out
     from vae/config.json as ErnieImagePipeline does (2 ** len(block_out_channels)), so that a bad
     size is refused before the slow load."""
-    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
-    channels = _read_json_object(cfg_path).get("block_out_channels")
-    if not isinstance(channels, list) or not channels:
-        raise ModelDirError(f"{cfg_path} has no block_out_channels list")
-    return 2 ** len(channels)
+    return 2 ** len(vae_channels(model_path))
 
 
-def check_size(opts: GenerateOptions) -> None:
+def activation_bytes(opts: GenerateOptions, dtype: torch.dtype) -> int:
+    """A lower bound of one image's activation memory: the VAE decoder's last block holds a full-size
+    input and output of ``block_out_channels[0]`` channels (what a huge size fails on first)."""
+    return opts.height * opts.width * vae_channels(opts.model_path)[0] * dtype.itemsize * 2
+
+
+def check_size(opts: GenerateOptions, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
     multiple = size_multiple(opts.model_path)
     if opts.height % multiple or opts.width % multiple:
         raise HarnessError(f"--height and --width must be multiples of {multiple} for this model "
                            f"(got {opts.height}x{opts.width})")
+    if dtype is not None and device is not None:
+        check_activation_memory(activation_bytes(opts, dtype), f"--height {opts.height} --width {opts.width}",
+                                device, "use a smaller --height / --width")
 
 
 @dataclass
@@ -207,11 +221,11 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
     # every check of the arguments comes before the (slow) pipeline load
     index = validate_model_dir(opts.model_path)
-    check_size(opts)
     ex = _api.api()
     device = resolve_device(opts.device)
     dtname = opts.dtype or default_dtype(device)
     dtype = dtype_from_name(dtname)
+    check_size(opts, dtype, device)
     warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -135,16 +135,24 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
 
 
 @main.command("tiny-pipeline")
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", metavar="DIR", type=click.Path(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True)
-def tiny_pipeline(out_dir, seed) -> None:
-    """Save a tiny random-weight ERNIE-Image pipeline folder: try `generate` offline (use 16 or 32 px sizes)."""
-    from exactdit.harness.tiny import save_tiny_pipeline
+@click.option("--force", is_flag=True, help="Replace the pipeline in a non-empty DIR (its other files are kept).")
+def tiny_pipeline(out_dir, seed, force) -> None:
+    """Save a tiny random-weight ERNIE-Image pipeline (about 1 MB) to DIR, a new or empty folder, and print
+    the `generate` command that runs it offline in seconds."""
+    import shlex
+
+    from exactdit.harness.demo import HarnessError
+    from exactdit.harness.tiny import TINY_SIZE, write_tiny_pipeline
 
     try:
-        click.echo(save_tiny_pipeline(out_dir, seed=seed))
-    except OSError as exc:
+        path = write_tiny_pipeline(out_dir, seed=seed, force=force)
+    except (HarnessError, OSError) as exc:
         raise _fail(exc) from None
+    click.echo(f"wrote     {path}")
+    click.echo(f"next      exactdit generate --model-path {shlex.quote(path)} --prompt 'a red cat' "
+               f"--height {TINY_SIZE} --width {TINY_SIZE} --steps 4 --device cpu")
 
 
 @main.command("coverage")

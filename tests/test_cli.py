@@ -101,7 +101,7 @@ def test_coverage_huge_size_is_refused_before_any_allocation(monkeypatch):
     res = invoke("coverage", "--model", "flux", "--height", 100000, "--width", 100000, "--device", "cpu")
     assert_clean_error(res, 1, "Error: --height 100000 --width 100000 needs at least", "GiB for its activations",
                        "only 16.0 GiB is free on cpu; use a smaller --height / --width")
-    assert len(res.output.strip().splitlines()) == 1
+    assert res.output.count("Error:") == 1
 
 
 def test_demo_samples_flux_through_its_diffusers_pipeline(tmp_path):
@@ -377,6 +377,7 @@ def test_generate_out_of_memory_is_one_line(tiny_pipe_dir, tmp_path, monkeypatch
     res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "cat", "--height", 32, "--width", 32,
                  "--steps", 1, "--out", out, "--device", "cpu")
     assert_clean_error(res, 1, "Error: out of memory at --height 32 --width 32: use a smaller size")
+    assert not out.exists()
 
 
 def test_generate_use_pe_note_comes_before_loading(tiny_pipe_dir, tmp_path, monkeypatch):
@@ -424,18 +425,109 @@ def test_generate_corrupt_weights(tiny_pipe_dir, tmp_path):
         f.write_bytes(b"not a safetensors file")
     res = invoke("generate", "--model-path", broken, "--prompt", "x", "--steps", 1, "--out", tmp_path / "o")
     assert_clean_error(res, 1, "could not load the pipeline")
+    assert not (tmp_path / "o").exists()  # a failed run leaves no empty output folder
 
 
 # ------------------------------------------------------------------------------------------ compare
 
 
 def test_tiny_pipeline_command_then_generate(tmp_path):
+    import shlex
+
     res = invoke("tiny-pipeline", tmp_path / "p")
     assert res.exit_code == 0, res.output
-    res = invoke("generate", "--model-path", tmp_path / "p", "--prompt", "a", "--steps", 1, "--height", 16,
-                 "--width", 16, "--out", tmp_path / "o")
+    # the printed command runs as it is (a size that fits the tiny VAE, not generate's 1024 default)
+    cmd = shlex.split(res.output.split("next")[1].strip())
+    assert cmd[:2] == ["exactdit", "generate"] and cmd[cmd.index("--height") + 1] == "32"
+    res = invoke(*cmd[1:], "--steps", 1, "--out", tmp_path / "o")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "o" / "image_patched_0.png").is_file()
+
+
+def test_tiny_pipeline_refuses_a_non_empty_folder_without_force(tmp_path):
+    target = tmp_path / "p"
+    target.mkdir()
+    (target / "mine.txt").write_text("keep")
+    res = invoke("tiny-pipeline", target)
+    assert_clean_error(res, 1, f"Error: DIR {target} is not empty; pass --force")
+    assert sorted(p.name for p in target.iterdir()) == ["mine.txt"]
+    assert invoke("tiny-pipeline", target, "--force").exit_code == 0
+    first = (target / "transformer" / "config.json").read_text()
+    (target / "transformer" / "stale.bin").write_bytes(b"old")
+    res = invoke("tiny-pipeline", target, "--force", "--seed", 1)
+    assert res.exit_code == 0, res.output
+    # the pipeline is replaced whole (no stale file inside it), the user's file is kept
+    assert not (target / "transformer" / "stale.bin").exists() and (target / "mine.txt").read_text() == "keep"
+    assert (target / "transformer" / "config.json").read_text() == first
+    assert (target / "model_index.json").is_file()
+
+
+def test_tiny_pipeline_into_an_unwritable_place_names_dir():
+    res = invoke("tiny-pipeline", "/proc/exactdit-x")
+    assert_clean_error(res, 1, "Error: DIR /proc/exactdit-x: cannot write there")
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_unwritable_out_names_the_option_before_running(command, tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import demo as demo_mod
+    from exactdit.harness import generate as gen_mod
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("ran before --out was checked")
+
+    monkeypatch.setattr(demo_mod, "build_pipeline", no_run)
+    monkeypatch.setattr(gen_mod, "load_pipeline", no_run)
+    args = ["demo", "--steps", 1] if command == "demo" else ["generate", "--model-path", tiny_pipe_dir,
+                                                              "--prompt", "x", "--height", 16, "--width", 16]
+    res = invoke(*args, "--device", "cpu", "--out", "/proc/exactdit-x")
+    assert_clean_error(res, 1, "Error: --out /proc/exactdit-x: cannot write there (No such file or directory)")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    res = invoke(*args, "--device", "cpu", "--out", a_file / "sub")
+    assert_clean_error(res, 1, f"Error: --out {a_file / 'sub'}: {a_file} is a file, not a folder")
+
+
+def test_generate_replaces_the_files_of_an_earlier_run(tiny_pipe_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    for stale in ("ab_report.md", "ab_report.json", "perf_baseline.json", "image_baseline_0.png"):
+        (out / stale).write_text("an earlier --ab run")
+    (out / "notes.txt").write_text("mine")
+    res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "a", "--steps", 1, "--height", 16,
+                 "--width", 16, "--out", out, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["image_patched_0.png", "notes.txt", "perf_patched.json"]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_a_failed_or_interrupted_run_leaves_no_output(command, interrupt, tiny_pipe_dir, tmp_path, monkeypatch):
+    import tempfile
+
+    from exactdit.harness import demo as demo_mod
+    from exactdit.harness import generate as gen_mod
+
+    def fail(*args, **kwargs):
+        raise interrupt("stopped mid-run")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(demo_mod, "sample_pipeline", fail)
+    monkeypatch.setattr(gen_mod, "timed_run", fail)
+    out = tmp_path / "runs" / "o"
+    args = ["demo", "--steps", 1, "--warmup", 0, "--no-progress"] if command == "demo" else [
+        "generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--height", 16, "--width", 16]
+    res = CliRunner().invoke(main, [str(a) for a in args] + ["--device", "cpu", "--out", str(out)])
+    assert res.exit_code != 0
+    assert not (tmp_path / "runs").exists()
+    assert list((tmp_path / "tmp").iterdir()) == []  # the staging folder is gone too
+    # an earlier run's files stay as they were
+    out.mkdir(parents=True)
+    (out / "perf_patched.json").write_text("earlier")
+    res = CliRunner().invoke(main, [str(a) for a in args] + ["--device", "cpu", "--out", str(out)])
+    assert res.exit_code != 0
+    assert [p.name for p in out.iterdir()] == ["perf_patched.json"]
+    assert (out / "perf_patched.json").read_text() == "earlier"
 
 
 def test_compare_cli_on_fixtures():

@@ -166,8 +166,18 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         raise HarnessError("--steps must be >= 1")
     weight_bytes = check_memory(opts.model, config, dtype, device)
     n_params = weight_bytes // dtype.itemsize
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .outputs import StagedOutput, check_writable
+
+    check_writable(opts.out)
+    with StagedOutput(opts.out, DEMO_FILES) as out:
+        return _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo)
+
+
+#: what the demo writes into --out (replaced as a set by the next demo there)
+DEMO_FILES = ("demo_latents.png", "perf_eager.json", "perf_patched.json")
+
+
+def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo):
     prod = spec.production
     height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
     call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
@@ -236,9 +246,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     max_abs = metrics.max_abs(eager["result"].latents, patched["result"].latents)
 
     # files
-    preview = out / "demo_latents.png"
     latent_side_by_side(image_latents(pipe, eager["result"].latents, height, width),
-                        image_latents(pipe, patched["result"].latents, height, width)).save(preview)
+                        image_latents(pipe, patched["result"].latents, height, width)).save(out.path(DEMO_FILES[0]))
     perf_paths = {}
     for label, run in runs.items():
         res = run["result"]
@@ -256,7 +265,10 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         )
         if label == "patched":
             rec["outputs"].update(verdict=verdict, max_abs_vs_eager=max_abs, patch_summary=patch_summary)
-        perf_paths[label] = perf.write_json(out / f"perf_{label}.json", rec)
+        perf.write_json(out.path(f"perf_{label}.json"), rec)
+        perf_paths[label] = out.final(f"perf_{label}.json")
+    out.commit()
+    preview = out.final(DEMO_FILES[0])
 
     # table
     def row(label):

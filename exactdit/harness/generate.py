@@ -14,6 +14,7 @@ import torch
 
 from . import _api, ab, metrics, perf
 from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device
+from .outputs import StagedOutput, check_writable
 from .sampling import synchronize
 from .tiny import dtype_from_name
 
@@ -227,9 +228,18 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     dtype = dtype_from_name(dtname)
     check_size(opts, dtype, device)
     warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(opts.out)
+    with StagedOutput(opts.out, GENERATE_FILES) as out:
+        return _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo)
 
+
+#: what generate writes into --out (replaced as a set by the next generate there, --ab or not)
+GENERATE_FILES = ("image_patched_*.png", "image_baseline_*.png", "perf_patched.json", "perf_baseline.json",
+                  "perf_baseline_repeat.json", "ab_report.json", "ab_report.md", "ab_side_by_side_*.png",
+                  "ab_latents_side_by_side.png")
+
+
+def _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo) -> tuple[dict, int]:
     if opts.use_pe and index.get("pe") in (None, [None, None]):
         echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
 
@@ -267,9 +277,9 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
         for i, im in enumerate(run["images"]):
             if label == "baseline_repeat":
                 continue
-            p = out / f"image_{label}_{i}.png"
-            im.save(p)
-            written.append(str(p))
+            name = f"image_{label}_{i}.png"
+            im.save(out.path(name))
+            written.append(str(out.final(name)))
         rec = perf.make_record(
             label=label, kind="generate", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
             stages=run["stages"], args=args, report=run.get("report", {}), peak_gpu_memory_bytes=run["peak"],
@@ -281,8 +291,8 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
         )
         if label == "patched":
             rec["outputs"]["patch_summary"] = patch_summary
-        p = perf.write_json(out / f"perf_{label}.json", rec)
-        written.append(str(p))
+        perf.write_json(out.path(f"perf_{label}.json"), rec)
+        written.append(str(out.final(f"perf_{label}.json")))
         run["md5s"] = md5s
 
     pr = runs["patched"]
@@ -302,8 +312,8 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     if opts.ab:
         meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
                 "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
-        rep = ab.write_report(out, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
-        written += [str(out / f) for f in rep["files"]]
+        rep = ab.write_report(out.stage, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
+        written += [str(out.final(f)) for f in rep["files"]]
         summary["ab"] = rep
         det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
         echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
@@ -314,5 +324,6 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             echo(f"     image {i}: max_abs {c['max_abs']:g}, PSNR {ab._fmt(c['psnr_db'])} dB, SSIM {ab._fmt(c['ssim'])}")
         if rep["verdict"] != "EQUAL":
             code = 1
+    out.commit()
     echo("wrote: " + ", ".join(written))
     return summary, code

@@ -7,6 +7,7 @@ User errors print one ``Error: ...`` line and exit non-zero (1 for runtime error
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -16,6 +17,24 @@ CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness
 MODEL_CHOICES = ("ernie", "flux", "flux-schnell", "chroma", "qwen", "zimage", "wan", "wan-1.3b")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class GuidanceScale(click.FloatRange):
+    """A finite number >= 0 (nan and inf pass click's FloatRange; inf writes a black image)."""
+
+    name = "finite float >= 0"
+
+    def __init__(self):
+        super().__init__(min=0.0)
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+GUIDANCE = GuidanceScale()
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
@@ -62,7 +81,7 @@ def version() -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Output folder for the latent preview PNG and perf JSONs.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=None,
+@click.option("--guidance-scale", type=GUIDANCE, default=None,
               help="Guidance scale [default: the model's production setting].")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Untimed one-step pipeline calls before each timed run (capture, kernel compilation).")
@@ -95,7 +114,7 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
               help="Denoising steps (ERNIE-Image-Turbo: 8).")
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
+@click.option("--guidance-scale", type=GUIDANCE, default=4.0, show_default=True,
               help="CFG scale (ERNIE-Image-Turbo: 1).")
 @click.option("--height", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True)
@@ -107,9 +126,10 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
               help="Load dtype [default: fp32 on CPU, bf16 on CUDA].")
 @click.option("--warmup/--no-warmup", default=None,
               help="Untimed 1-step generation before each timed run [default: on for CUDA, off on CPU].")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
 @click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
 def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scale, height, width, out_dir,
-             use_pe, device, dtype, warmup, cuda_graphs) -> None:
+             use_pe, device, dtype, warmup, progress, cuda_graphs) -> None:
     """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
     from exactdit.harness import _api
     from exactdit.harness.demo import HarnessError, out_of_memory
@@ -122,7 +142,7 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
     opts = GenerateOptions(model_path=model_path, prompt=prompt, negative_prompt=negative_prompt, ab=ab,
                            seed=seed, steps=steps, guidance_scale=guidance_scale, height=height, width=width,
                            out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup,
-                           cuda_graphs=cuda_graphs)
+                           progress=progress, cuda_graphs=cuda_graphs)
     try:
         _, code = run_generate(opts, echo=click.echo)
     except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:

@@ -257,6 +257,12 @@ def test_demo_without_patch_api_is_a_clear_error(monkeypatch, tmp_path):
         (["demo", "--seed", "-1"], "--seed"),
         (["generate", "--model-path", ".", "--prompt", "x", "--seed", str(2**64)], "--seed"),
         (["tiny-pipeline", "out", "--seed", str(2**64)], "--seed"),
+        (["demo", "--guidance-scale", "-1"], "--guidance-scale"),
+        (["demo", "--guidance-scale", "nan"], "Invalid value for '--guidance-scale': 'nan' is not a finite number"),
+        (["demo", "--guidance-scale", "inf"], "Invalid value for '--guidance-scale': 'inf' is not a finite number"),
+        (["generate", "--model-path", ".", "--prompt", "x", "--guidance-scale", "nan"], "'nan' is not a finite"),
+        (["generate", "--model-path", ".", "--prompt", "x", "--guidance-scale", "inf"], "'inf' is not a finite"),
+        (["generate", "--model-path", ".", "--prompt", "x", "--guidance-scale", "-inf"], "--guidance-scale"),
     ],
 )
 def test_bad_arguments_exit_2(args, needle):
@@ -280,6 +286,8 @@ def test_generate_ab_end_to_end(tiny_pipe_dir, tmp_path):
     assert res.exit_code == 0, res.output
     assert "A/B: EQUAL" in res.output
     assert "eager deterministic across repeats: yes" in res.output
+    # CPU timings without a warm-up compare nothing, and the output says so (issue 35, item 6)
+    assert "NOTE: no CUDA GPU, so the timings are no speed measurement" in res.output
     for f in ("image_patched_0.png", "image_baseline_0.png", "perf_patched.json", "perf_baseline.json",
               "ab_report.json", "ab_report.md", "ab_side_by_side_0.png", "ab_latents_side_by_side.png"):
         assert (tmp_path / f).is_file(), f
@@ -297,6 +305,18 @@ def test_generate_ab_end_to_end(tiny_pipe_dir, tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "image_patched_0.png").size == (32, 32)
+
+
+def test_generate_timing_notes():
+    from exactdit.harness.generate import timing_notes
+
+    runs = {"baseline": {}, "baseline_repeat": {}, "patched": {}}
+    assert timing_notes(torch.device("cuda"), True, runs) == []
+    (note,) = timing_notes(torch.device("cuda"), False, runs)
+    assert note.startswith("NOTE: --no-warmup: each run's time includes one-time costs")
+    assert timing_notes(torch.device("cuda"), False, {"patched": {}}) == []
+    (note,) = timing_notes(torch.device("cpu"), True, {"patched": {}})
+    assert "no speed measurement" in note
 
 
 def test_generate_without_ab_is_reproducible(tiny_pipe_dir, tmp_path):

@@ -239,6 +239,18 @@ GENERATE_FILES = ("image_patched_*.png", "image_baseline_*.png", "perf_patched.j
                   "ab_latents_side_by_side.png")
 
 
+def timing_notes(device: torch.device, warm: bool, runs: dict) -> list[str]:
+    """What the timings above do not show (no speedup is claimed where none was measured)."""
+    notes = []
+    if device.type != "cuda":
+        notes.append("NOTE: no CUDA GPU, so the timings are no speed measurement: the patched run's fused kernels "
+                     "need a GPU, and on the CPU the times show one-time costs and the machine's load, not exactdit.")
+    elif not warm and len(runs) > 1:
+        notes.append("NOTE: --no-warmup: each run's time includes one-time costs (the first run's CUDA start-up, "
+                     "the patched run's capture and kernel compilation); time with --warmup to compare runs.")
+    return notes
+
+
 def _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo) -> tuple[dict, int]:
     if opts.use_pe and index.get("pe") in (None, [None, None]):
         echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
@@ -306,6 +318,8 @@ def _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo) -> tu
     fused, fell_back, reasons = _api.summarize_report(pr["report"])
     echo(f"fused: {fused} op calls ran fused, {fell_back} fell back to eager"
          + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})" if reasons else ""))
+    for line in timing_notes(device, warm, runs):
+        echo(line)
 
     code = 0
     summary = {"files": written, "report": pr["report"], "md5": {k: r["md5s"] for k, r in runs.items()}}

@@ -250,13 +250,15 @@ def selfcheck() -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-def compare(files) -> None:
+@click.option("--force", is_flag=True,
+              help="Compare runs that differ in kind, model, size, steps, dtype or device (refused otherwise).")
+def compare(files, force) -> None:
     """Markdown table of end-to-end and per-stage deltas between perf JSONs (first = baseline)."""
     from exactdit.harness.perf import PerfFileError
     from exactdit.harness.perf import compare as compare_files
 
     try:
-        click.echo(compare_files(files), nl=False)
+        click.echo(compare_files(files, force=force), nl=False)
     except PerfFileError as exc:
         raise _fail(exc) from None
 

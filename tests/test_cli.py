@@ -557,6 +557,19 @@ def test_compare_cli_on_fixtures():
     assert "| decoding (s) | 1.0000 | 0.6000 (-40.0%, 1.67x) |" in res.output
 
 
+def test_compare_cli_refuses_different_runs_without_force():
+    files = [FIX / "perf_base.json", FIX / "perf_demo_cpu.json"]
+    res = invoke("compare", *files)
+    assert_clean_error(res, 1, "Error: the runs differ in run (perf_base.json: generate, perf_demo_cpu.json: demo)",
+                       "pass --force to compare them anyway")
+    assert "| end-to-end" not in res.output
+    res = invoke("compare", *files, "--force")
+    assert res.exit_code == 0, res.output
+    assert "| end-to-end (s) | 10.0000 | 20.0000 (+100.0%, 0.50x) |" in res.output
+    assert "note: the runs differ in device (perf_base.json: cuda (NVIDIA H200), perf_demo_cpu.json: cpu (x86_64))" \
+        in res.output
+
+
 def test_compare_cli_errors(tmp_path):
     res = invoke("compare", FIX / "perf_base.json")
     assert_clean_error(res, 1, "at least two")

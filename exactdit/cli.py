@@ -1,4 +1,5 @@
-"""exactdit command-line interface: ``demo``, ``generate`` and ``compare``.
+"""exactdit command-line interface: ``demo``, ``generate``, ``compare``, ``coverage``, ``selfcheck``,
+``tiny-pipeline``.
 
 Heavy imports (torch, diffusers) happen inside the commands so ``exactdit --help`` is instant.
 User errors print one ``Error: ...`` line and exit non-zero (1 for runtime errors, 2 for bad usage);
@@ -60,7 +61,13 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Print the exactdit version and exit.")
 def main() -> None:
-    """Bit-exact fused Triton kernels for diffusers' ERNIE-Image: demo, generate and compare."""
+    """Faster diffusion transformers in diffusers, with outputs bit-identical to eager PyTorch.
+
+    Start with `exactdit demo` (eager vs patched sampling of an embedded model, no downloads).
+    `coverage` shows what the engine fuses in a model, `selfcheck` holds each fused op to its eager
+    reference, `generate` runs a local ERNIE-Image pipeline folder (`tiny-pipeline` saves a tiny one
+    to try it offline) and `compare` tabulates the timings of runs.
+    """
 
 
 @main.command()
@@ -69,7 +76,7 @@ def version() -> None:
     click.echo(_version())
 
 
-@main.command()
+@main.command(short_help="Eager vs patched sampling of an embedded model: EQUAL?")
 @click.option("--model", type=click.Choice(MODEL_CHOICES), default="ernie", show_default=True,
               help="Registered diffusers DiT (exactdit.harness.models).")
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
@@ -105,7 +112,7 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
     sys.exit(code)
 
 
-@main.command()
+@main.command(short_help="Run a local ERNIE-Image pipeline folder, patched.")
 @click.option("--model-path", type=click.Path(), required=True,
               help="Local diffusers ERNIE-Image / ERNIE-Image-Turbo folder (loaded with local_files_only).")
 @click.option("--prompt", required=True, help="Text prompt.")
@@ -154,7 +161,7 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
     sys.exit(code)
 
 
-@main.command("tiny-pipeline")
+@main.command("tiny-pipeline", short_help="Save a tiny offline ERNIE-Image pipeline to try generate.")
 @click.argument("out_dir", metavar="DIR", type=click.Path(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace the pipeline in a non-empty DIR (its other files are kept).")
@@ -175,7 +182,7 @@ def tiny_pipeline(out_dir, seed, force) -> None:
                f"--height {TINY_SIZE} --width {TINY_SIZE} --steps 4 --device cpu")
 
 
-@main.command("coverage")
+@main.command("coverage", short_help="What the engine fuses in a model, and the time it replaces.")
 @click.option("--model", type=click.Choice(MODEL_CHOICES), default="flux", show_default=True)
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
               help="Embedded model size [default: tiny on CPU, full on CUDA].")
@@ -240,7 +247,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
     click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))
 
 
-@main.command()
+@main.command(short_help="Every fused op against its eager reference.")
 def selfcheck() -> None:
     """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""
     from exactdit.selfcheck import main as run_selfcheck
@@ -248,7 +255,7 @@ def selfcheck() -> None:
     sys.exit(run_selfcheck())
 
 
-@main.command()
+@main.command(short_help="Tabulate the timings of perf JSONs (first = baseline).")
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @click.option("--force", is_flag=True,
               help="Compare runs that differ in kind, model, size, steps, dtype or device (refused otherwise).")

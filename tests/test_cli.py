@@ -43,8 +43,12 @@ def assert_clean_error(res, code, *needles):
 def test_help_and_version():
     res = invoke("--help")
     assert res.exit_code == 0
+    intro, commands = res.output.split("Commands:")
+    assert "ERNIE-Image: demo, generate and compare" not in intro
     for cmd in ("demo", "generate", "compare", "selfcheck", "tiny-pipeline", "coverage"):
-        assert cmd in res.output
+        assert f"{cmd}`" in intro, cmd  # the description says what each command is for
+        assert f"\n  {cmd} " in commands, cmd
+    assert "..." not in commands  # no one-line help cut short
     res = invoke("--version")
     assert res.exit_code == 0 and res.output.startswith("exactdit ")
 

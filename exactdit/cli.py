@@ -68,6 +68,9 @@ def main() -> None:
     reference, `generate` runs a local ERNIE-Image pipeline folder (`tiny-pipeline` saves a tiny one
     to try it offline) and `compare` tabulates the timings of runs.
     """
+    from exactdit.harness.quiet import quiet_third_party
+
+    quiet_third_party()
 
 
 @main.command()

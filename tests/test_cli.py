@@ -53,6 +53,42 @@ def test_help_and_version():
     assert res.exit_code == 0 and res.output.startswith("exactdit ")
 
 
+def test_the_cli_drops_third_party_advice_and_nothing_else():
+    """diffusers' accelerate advice, transformers' torchvision fallback note and diffusers' FluxPosEmbed
+    FutureWarning are dropped (issue 35, item 12); other messages of the same loggers still show."""
+    import logging
+    import warnings
+
+    assert invoke("version").exit_code == 0  # every command installs the filters
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    cases = {
+        "diffusers.pipelines.pipeline_utils": "Cannot initialize model with low cpu memory usage because "
+                                              "`accelerate` was not found in the environment. Defaulting to ...",
+        "diffusers.models.modeling_utils": "Cannot initialize model with low cpu memory usage because "
+                                           "`accelerate` was not found in the environment. Defaulting to ...",
+        "transformers.utils.import_utils": "`CLIPImageProcessor` requires torchvision (not installed); falling "
+                                           "back to `CLIPImageProcessorPil` for backward compatibility.",
+    }
+    for name, message in cases.items():
+        logger, handler = logging.getLogger(name), Keep()
+        logger.addHandler(handler)
+        try:
+            logger.warning(message)
+            logger.warning("some other warning")
+        finally:
+            logger.removeHandler(handler)
+    assert seen == ["some other warning"] * 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("`FluxPosEmbed` is deprecated and will be removed in version 1.0.0.", FutureWarning)
+        warnings.warn("`Other` is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["`Other` is deprecated"]
+
+
 def test_python_dash_m_entry_point():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "exactdit", "--help"], capture_output=True, text=True,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,17 @@ def test_demo_runs_every_listed_model_equal(model, tmp_path):
     for f in ("demo_latents.png", "perf_eager.json", "perf_patched.json"):
         assert (out / f).is_file(), f
     assert json.loads((out / "perf_patched.json").read_text())["outputs"]["verdict"] == "EQUAL"
+    # the regions are called a plan, not "fused" (on the CPU 0 calls ran fused), and every reason an
+    # op was left to ATen names that op (issue 35, item 13)
+    assert "plan      the regions the engine made" in res.output and "  region x" in res.output
+    assert "fused x" not in res.output
+    left_ops = []
+    for line in res.output.splitlines():
+        if line.strip().startswith("left to ATen:"):
+            left_ops = [op.rsplit(" x", 1)[0] for op in line.split(":", 1)[1].split(", ")]
+        elif re.match(r"^\s+x\d+: ", line):
+            reason = line.split(": ", 1)[1]
+            assert any(reason.startswith(op) for op in left_ops), (line, left_ops)
 
 
 def test_demo_with_cuda_graphs_on_the_cpu_runs_unrecorded_and_equal(tmp_path):

@@ -296,7 +296,11 @@ def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_par
     for op, e in sorted(gate.grouped(patched["report"]).items()):
         regions = f" ({e['regions']} regions)" if e["regions"] else ""
         echo(f"  {op + regions:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
-    for graph in coverage.graphs():
+    graphs = coverage.graphs()
+    if graphs:
+        echo("plan      the regions the engine made of each captured block graph (the counts above say how "
+             "many of their calls ran fused):")
+    for graph in graphs:
         for line in graph.lines():
             echo(f"  {line}")
     if not patched["report"]:

@@ -371,6 +371,23 @@ def test_generate_timing_notes():
     assert "no speed measurement" in note
 
 
+def test_generate_no_progress_turns_the_bars_off(tiny_pipe_dir, tmp_path, monkeypatch):
+    from exactdit.harness import generate as gen_mod
+
+    seen = []
+
+    def stop(pipe, opts, *args, **kwargs):
+        seen.append(opts.progress)
+        raise gen_mod.HarnessError("stopped")
+
+    monkeypatch.setattr(gen_mod, "timed_run", stop)
+    for flag in ("--no-progress", "--progress"):
+        res = invoke("generate", "--model-path", tiny_pipe_dir, "--prompt", "x", "--height", 16, "--width", 16,
+                     "--out", tmp_path / "o", "--device", "cpu", flag)
+        assert_clean_error(res, 1, "Error: stopped")
+    assert seen == [False, True]
+
+
 def test_generate_without_ab_is_reproducible(tiny_pipe_dir, tmp_path):
     md5s = []
     for sub in ("a", "b"):

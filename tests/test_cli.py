@@ -182,7 +182,7 @@ def test_demo_runs_every_listed_model_equal(model, tmp_path):
     left_ops = []
     for line in res.output.splitlines():
         if line.strip().startswith("left to ATen:"):
-            left_ops = [op.rsplit(" x", 1)[0] for op in line.split(":", 1)[1].split(", ")]
+            left_ops = [op.strip().rsplit(" x", 1)[0] for op in line.split(":", 1)[1].split(", ")]
         elif re.match(r"^\s+x\d+: ", line):
             reason = line.split(": ", 1)[1]
             assert any(reason.startswith(op) for op in left_ops), (line, left_ops)

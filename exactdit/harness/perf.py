@@ -355,4 +355,8 @@ def compare(paths: Iterable[str | Path], force: bool = False) -> str:
         cells = [_cell(base, None)] + [_cell(c[key], base) for c in cols[1:]]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     notes = [f"note: the runs differ in {d}" for d in diffs]
+    cpu = [n for r, n in zip(recs, names) if (r.get("device") or {}).get("type") == "cpu"]
+    if cpu:
+        notes.append(f"note: {', '.join(cpu)} ran on the CPU, where exactdit's fused kernels do not run: "
+                     f"no speedup there is exactdit's")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

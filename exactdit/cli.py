@@ -226,8 +226,9 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
         frames = (frames or (5 if small else prod.num_frames)) if spec.video else None
         weights = check_memory(model, config, dtype, dev)
         size = f"{height}x{width}" + (f"x{frames} frames" if frames else "")
-        # a lower bound: the widest linear layer's input or output over every token, in and out at once
-        need = latent_tokens(model, height, width, frames, batch) * widest_linear(model, config) * dtype.itemsize * 2
+        # a lower bound: four values as wide as the widest linear layer over every token alive at once
+        # (measured: flux tiny at 1024x1024 holds about five)
+        need = latent_tokens(model, height, width, frames, batch) * widest_linear(model, config) * dtype.itemsize * 4
         check_activation_memory(need, f"--height {height} --width {width}" + (f" --frames {frames}" if frames else "")
                                 + (f" --batch {batch}" if batch > 1 else ""), dev,
                                 "use a smaller --height / --width" + (" / --frames" if frames else ""))

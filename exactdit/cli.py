@@ -1,4 +1,5 @@
-"""exactdit command-line interface: ``demo``, ``generate`` and ``compare``.
+"""exactdit command-line interface: ``demo``, ``generate``, ``compare``, ``coverage``, ``selfcheck``,
+``tiny-pipeline``.
 
 Heavy imports (torch, diffusers) happen inside the commands so ``exactdit --help`` is instant.
 User errors print one ``Error: ...`` line and exit non-zero (1 for runtime errors, 2 for bad usage);
@@ -7,6 +8,7 @@ User errors print one ``Error: ...`` line and exit non-zero (1 for runtime error
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -16,6 +18,24 @@ CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness
 MODEL_CHOICES = ("ernie", "flux", "flux-schnell", "chroma", "qwen", "zimage", "wan", "wan-1.3b")
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class GuidanceScale(click.FloatRange):
+    """A finite number >= 0 (nan and inf pass click's FloatRange; inf writes a black image)."""
+
+    name = "finite float >= 0"
+
+    def __init__(self):
+        super().__init__(min=0.0)
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+GUIDANCE = GuidanceScale()
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
@@ -41,7 +61,16 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Print the exactdit version and exit.")
 def main() -> None:
-    """Bit-exact fused Triton kernels for diffusers' ERNIE-Image: demo, generate and compare."""
+    """Faster diffusion transformers in diffusers, with outputs bit-identical to eager PyTorch.
+
+    Start with `exactdit demo` (eager vs patched sampling of an embedded model, no downloads).
+    `coverage` shows what the engine fuses in a model, `selfcheck` holds each fused op to its eager
+    reference, `generate` runs a local ERNIE-Image pipeline folder (`tiny-pipeline` saves a tiny one
+    to try it offline) and `compare` tabulates the timings of runs.
+    """
+    from exactdit.harness.quiet import quiet_third_party
+
+    quiet_third_party()
 
 
 @main.command()
@@ -50,7 +79,7 @@ def version() -> None:
     click.echo(_version())
 
 
-@main.command()
+@main.command(short_help="Eager vs patched sampling of an embedded model: EQUAL?")
 @click.option("--model", type=click.Choice(MODEL_CHOICES), default="ernie", show_default=True,
               help="Registered diffusers DiT (exactdit.harness.models).")
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
@@ -62,7 +91,7 @@ def version() -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Output folder for the latent preview PNG and perf JSONs.")
 @click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=None,
+@click.option("--guidance-scale", type=GUIDANCE, default=None,
               help="Guidance scale [default: the model's production setting].")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Untimed one-step pipeline calls before each timed run (capture, kernel compilation).")
@@ -86,7 +115,7 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
     sys.exit(code)
 
 
-@main.command()
+@main.command(short_help="Run a local ERNIE-Image pipeline folder, patched.")
 @click.option("--model-path", type=click.Path(), required=True,
               help="Local diffusers ERNIE-Image / ERNIE-Image-Turbo folder (loaded with local_files_only).")
 @click.option("--prompt", required=True, help="Text prompt.")
@@ -95,7 +124,7 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True,
               help="Denoising steps (ERNIE-Image-Turbo: 8).")
-@click.option("--guidance-scale", type=click.FloatRange(min=0.0), default=4.0, show_default=True,
+@click.option("--guidance-scale", type=GUIDANCE, default=4.0, show_default=True,
               help="CFG scale (ERNIE-Image-Turbo: 1).")
 @click.option("--height", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True)
@@ -107,12 +136,13 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
               help="Load dtype [default: fp32 on CPU, bf16 on CUDA].")
 @click.option("--warmup/--no-warmup", default=None,
               help="Untimed 1-step generation before each timed run [default: on for CUDA, off on CPU].")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
 @click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
 def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scale, height, width, out_dir,
-             use_pe, device, dtype, warmup, cuda_graphs) -> None:
+             use_pe, device, dtype, warmup, progress, cuda_graphs) -> None:
     """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
     from exactdit.harness import _api
-    from exactdit.harness.demo import HarnessError
+    from exactdit.harness.demo import HarnessError, out_of_memory
     from exactdit.harness.generate import GenerateOptions, ModelDirError, run_generate, validate_model_dir
 
     try:
@@ -122,28 +152,40 @@ def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scal
     opts = GenerateOptions(model_path=model_path, prompt=prompt, negative_prompt=negative_prompt, ab=ab,
                            seed=seed, steps=steps, guidance_scale=guidance_scale, height=height, width=width,
                            out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup,
-                           cuda_graphs=cuda_graphs)
+                           progress=progress, cuda_graphs=cuda_graphs)
     try:
         _, code = run_generate(opts, echo=click.echo)
     except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:
         raise _fail(exc) from None
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _fail(HarnessError(f"out of memory at --height {height} --width {width}: use a smaller size")) from None
     sys.exit(code)
 
 
-@main.command("tiny-pipeline")
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@main.command("tiny-pipeline", short_help="Save a tiny offline ERNIE-Image pipeline to try generate.")
+@click.argument("out_dir", metavar="DIR", type=click.Path(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True)
-def tiny_pipeline(out_dir, seed) -> None:
-    """Save a tiny random-weight ERNIE-Image pipeline folder: try `generate` offline (use 16 or 32 px sizes)."""
-    from exactdit.harness.tiny import save_tiny_pipeline
+@click.option("--force", is_flag=True, help="Replace the pipeline in a non-empty DIR (its other files are kept).")
+def tiny_pipeline(out_dir, seed, force) -> None:
+    """Save a tiny random-weight ERNIE-Image pipeline (about 1 MB) to DIR, a new or empty folder, and print
+    the `generate` command that runs it offline in seconds."""
+    import shlex
+
+    from exactdit.harness.demo import HarnessError
+    from exactdit.harness.tiny import TINY_SIZE, write_tiny_pipeline
 
     try:
-        click.echo(save_tiny_pipeline(out_dir, seed=seed))
-    except OSError as exc:
+        path = write_tiny_pipeline(out_dir, seed=seed, force=force)
+    except (HarnessError, OSError) as exc:
         raise _fail(exc) from None
+    click.echo(f"wrote     {path}")
+    click.echo(f"next      exactdit generate --model-path {shlex.quote(path)} --prompt 'a red cat' "
+               f"--height {TINY_SIZE} --width {TINY_SIZE} --steps 4 --device cpu")
 
 
-@main.command("coverage")
+@main.command("coverage", short_help="What the engine fuses in a model, and the time it replaces.")
 @click.option("--model", type=click.Choice(MODEL_CHOICES), default="flux", show_default=True)
 @click.option("--config", type=click.Choice(CONFIG_CHOICES), default=None,
               help="Embedded model size [default: tiny on CPU, full on CUDA].")
@@ -160,26 +202,56 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
 
     from exactdit.engine import coverage
     from exactdit.harness import models
-    from exactdit.harness.demo import HarnessError, resolve_device
+    from exactdit.harness.demo import (HarnessError, check_activation_memory, check_memory, latent_tokens,
+                                       out_of_memory, resolve_device, widest_linear)
 
+    spec = models.get_spec(model)
+    if frames is not None and not spec.video:
+        raise click.BadParameter(f"{model} is an image model; --frames applies to video models only",
+                                 param_hint="'--frames'")
+    if frames is not None and (frames - 1) % 4:
+        raise click.BadParameter(f"{model} takes 4k+1 frames (1, 5, 9, ...), got {frames}", param_hint="'--frames'")
+    for name, value in (("--height", height), ("--width", width)):
+        if value is not None and value % spec.pixel_multiple:
+            raise click.BadParameter(f"{model} needs a multiple of {spec.pixel_multiple}, got {value}",
+                                     param_hint=f"'{name}'")
+    dtype = torch.bfloat16
     try:
         dev = resolve_device(device)
         config = config or ("full" if dev.type == "cuda" else "tiny")
         small = config in ("tiny", "diffusers_test")
-        video = models.get_spec(model).video
-        tr = models.build_transformer(model, config, dtype=torch.bfloat16, device=dev)
-        kw = models.forward_inputs(model, tr, height=height or (64 if small else None),
-                                   width=width or (64 if small else None),
-                                   num_frames=frames or (5 if video and small else None), batch=batch)
+        prod = spec.production
+        height = height or (64 if small else prod.height)
+        width = width or (64 if small else prod.width)
+        frames = (frames or (5 if small else prod.num_frames)) if spec.video else None
+        weights = check_memory(model, config, dtype, dev)
+        size = f"{height}x{width}" + (f"x{frames} frames" if frames else "")
+        # a lower bound: four values as wide as the widest linear layer over every token alive at once
+        # (measured: flux tiny at 1024x1024 holds about five)
+        need = latent_tokens(model, height, width, frames, batch) * widest_linear(model, config) * dtype.itemsize * 4
+        check_activation_memory(need, f"--height {height} --width {width}" + (f" --frames {frames}" if frames else "")
+                                + (f" --batch {batch}" if batch > 1 else ""), dev,
+                                "use a smaller --height / --width" + (" / --frames" if frames else ""))
+        from exactdit.harness.perf import device_info
+
+        click.echo(f"exactdit coverage: {model} config={config} ({weights // dtype.itemsize / 1e6:.2f}M params), "
+                   f"bf16, {size}, batch {batch}, {dev.type} ({device_info(dev).get('name')})")
+        tr = models.build_transformer(model, config, dtype=dtype, device=dev)
+        kw = models.forward_inputs(model, tr, height=height, width=width, num_frames=frames, batch=batch)
+        measured = coverage.measure(tr, kw)
     except (HarnessError, ValueError) as exc:
         raise _fail(exc) from None
-    measured = coverage.measure(tr, kw)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _fail(HarnessError(f"out of memory at {size}, batch {batch} on {dev.type}: use a smaller size"
+                                 )) from None
     for graph, timer, partition in measured:
         click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
     click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))
 
 
-@main.command()
+@main.command(short_help="Every fused op against its eager reference.")
 def selfcheck() -> None:
     """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""
     from exactdit.selfcheck import main as run_selfcheck
@@ -187,15 +259,17 @@ def selfcheck() -> None:
     sys.exit(run_selfcheck())
 
 
-@main.command()
+@main.command(short_help="Tabulate the timings of perf JSONs (first = baseline).")
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-def compare(files) -> None:
+@click.option("--force", is_flag=True,
+              help="Compare runs that differ in kind, model, size, steps, dtype or device (refused otherwise).")
+def compare(files, force) -> None:
     """Markdown table of end-to-end and per-stage deltas between perf JSONs (first = baseline)."""
     from exactdit.harness.perf import PerfFileError
     from exactdit.harness.perf import compare as compare_files
 
     try:
-        click.echo(compare_files(files), nl=False)
+        click.echo(compare_files(files, force=force), nl=False)
     except PerfFileError as exc:
         raise _fail(exc) from None
 

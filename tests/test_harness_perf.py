@@ -25,12 +25,58 @@ def test_compare_two_fixtures_exact_table():
 
 
 def test_compare_three_files_skips_missing_values_and_flags_devices():
-    out = perf.compare([FIX / "perf_base.json", FIX / "perf_new.json", FIX / "perf_demo_cpu.json"])
+    files = [FIX / "perf_base.json", FIX / "perf_new.json", FIX / "perf_demo_cpu.json"]
+    with pytest.raises(perf.PerfFileError, match=r"^the runs differ in run \(.*demo\); device \(.*pass --force"):
+        perf.compare(files)
+    out = perf.compare(files, force=True)
     lines = out.splitlines()
     assert lines[0] == "| metric | perf_base.json (eager) | perf_new.json (patched) | perf_demo_cpu.json (patched) |"
     assert "| end-to-end (s) | 10.0000 | 8.0000 (-20.0%, 1.25x) | 20.0000 (+100.0%, 0.50x) |" in lines
     assert "| text encoding (s) | 1.0000 | 1.0000 (+0.0%, 1.00x) | – |" in lines
-    assert any(line.startswith("note: the runs are on different devices") for line in lines)
+    assert ("note: the runs differ in device (perf_base.json: cuda (NVIDIA H200), perf_new.json: cuda (NVIDIA H200), "
+            "perf_demo_cpu.json: cpu (x86_64))") in lines
+    assert ("note: the runs differ in run (perf_base.json: generate, perf_new.json: generate, "
+            "perf_demo_cpu.json: demo)") in lines
+
+
+def _demo_record(tmp_path, folder, **args):
+    rec = json.loads((FIX / "perf_demo_cpu.json").read_text())
+    rec["args"] = {"model": "ernie", "config": "tiny", "height": 64, "width": 64, "steps": 8, "dtype": "fp32",
+                   "device": "cpu", **args}
+    path = tmp_path / folder / "perf_patched.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def test_compare_same_file_names_get_distinct_columns(tmp_path):
+    a, b = _demo_record(tmp_path, "demo-a"), _demo_record(tmp_path, "demo-b")
+    header = perf.compare([a, b]).splitlines()[0]
+    assert header == "| metric | demo-a/perf_patched.json (patched) | demo-b/perf_patched.json (patched) |"
+    c, d = _demo_record(tmp_path, "x/runs"), _demo_record(tmp_path, "y/runs")
+    assert perf.column_names([c, d]) == ["x/runs/perf_patched.json", "y/runs/perf_patched.json"]
+    assert perf.column_names([a, a]) == [f"{a} [1]", f"{a} [2]"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model": "qwen"}, "model (A: ernie config=tiny, B: qwen config=tiny)"),
+    ({"config": "small"}, "model (A: ernie config=tiny, B: ernie config=small)"),
+    ({"height": 32}, "size (A: 64x64, B: 32x64)"),
+    ({"steps": 2}, "steps (A: 8, B: 2)"),
+    ({"dtype": "bf16"}, "dtype (A: fp32, B: bf16)"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else "")
+def test_compare_refuses_runs_that_differ_unless_forced(tmp_path, change, needle):
+    a, b = _demo_record(tmp_path, "demo-a"), _demo_record(tmp_path, "demo-b", **change)
+    needle = needle.replace("A:", "demo-a/perf_patched.json:").replace("B:", "demo-b/perf_patched.json:")
+    with pytest.raises(perf.PerfFileError, match="pass --force") as info:
+        perf.compare([a, b])
+    assert f"the runs differ in {needle}, so their timings are not comparable" in str(info.value)
+    assert "\n" not in str(info.value)
+    out = perf.compare([a, b], force=True)
+    assert f"note: the runs differ in {needle}" in out
+    # CPU runs (these records are) get a note that their timings are not exactdit's speed
+    assert out.endswith("note: demo-a/perf_patched.json, demo-b/perf_patched.json ran on the CPU, where exactdit's "
+                        "fused kernels do not run: no speedup there is exactdit's\n")
 
 
 def test_compare_errors(tmp_path):

@@ -43,8 +43,9 @@ class GraphReport:
             r.name: (r.describe(), sum(1 for n in r.nodes if _is_compute(n))) for r in partition.regions
         }
         left = collections.Counter(_op_name(n) for n in partition.left)
-        why = collections.Counter(
-            why for n, why in partition.left.items() if not is_gemm_or_attention(n)
+        why = collections.Counter(  # each reason names its op
+            why if why.startswith(_op_name(n)) else f"{_op_name(n)}: {why}"
+            for n, why in partition.left.items() if not is_gemm_or_attention(n)
         )
         from exactdit.engine.gemm import GEMM_TARGETS
 
@@ -67,7 +68,7 @@ class GraphReport:
             out.append(f"  runs as captured: {self.failed}")
         kinds = collections.Counter(desc for desc, _ in self.regions.values())
         for desc, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
-            out.append(f"  fused x{n}: {desc}")
+            out.append(f"  region x{n}: {desc}")
         left = ", ".join(f"{op} x{n}" for op, n in sorted(self.left.items(), key=lambda kv: -kv[1]))
         out.append(f"  left to ATen: {left or '-'}")
         for why, n in sorted(self.why_left.items(), key=lambda kv: -kv[1]):

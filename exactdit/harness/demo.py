@@ -92,6 +92,45 @@ def check_memory(model: str, config: str, dtype: torch.dtype, device: torch.devi
     return need
 
 
+def gib(n: int | float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_activation_memory(need: int, what: str, device: torch.device, fix: str) -> None:
+    """Refuse, before anything is allocated, a run whose activations alone (``need`` bytes, a lower
+    bound) exceed the free memory of ``device``, instead of a failed allocation or the OOM killer."""
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise HarnessError(f"{what} needs at least {gib(need)} for its activations but only {gib(have)} is free "
+                           f"on {device.type}; {fix}")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CUDA OOM, or the CPU allocator's refusal)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
+
+
+def latent_tokens(model: str, height: int, width: int, num_frames: int | None, batch: int = 1) -> int:
+    """Transformer tokens of one forward at this geometry (video: 4x temporal compression)."""
+    spec = models.get_spec(model)
+    m = spec.pixel_multiple
+    frames = (num_frames - 1) // 4 + 1 if spec.video and num_frames else 1
+    return batch * max(1, height // m) * max(1, width // m) * frames
+
+
+def widest_linear(model: str, config: str) -> int:
+    """The largest in/out width of the transformer's linear layers (built on the meta device)."""
+    from .models.core import default_dtype as constructing, parameters_on_meta
+
+    spec = models.get_spec(model)
+    with constructing(torch.float32), parameters_on_meta():
+        tr = spec.transformer_cls(**spec.config(config))
+    return max((max(m.in_features, m.out_features) for m in tr.modules() if isinstance(m, torch.nn.Linear)),
+               default=1)
+
+
 #: image (video) size the demo samples per config; "full" uses the model's production size
 DEMO_SIZES = {"tiny": (64, 64, 5), "diffusers_test": (32, 32, 5), "small": (512, 512, 9)}
 
@@ -127,8 +166,18 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         raise HarnessError("--steps must be >= 1")
     weight_bytes = check_memory(opts.model, config, dtype, device)
     n_params = weight_bytes // dtype.itemsize
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .outputs import StagedOutput, check_writable
+
+    check_writable(opts.out)
+    with StagedOutput(opts.out, DEMO_FILES) as out:
+        return _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo)
+
+
+#: what the demo writes into --out (replaced as a set by the next demo there)
+DEMO_FILES = ("demo_latents.png", "perf_eager.json", "perf_patched.json")
+
+
+def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo):
     prod = spec.production
     height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
     call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
@@ -197,9 +246,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     max_abs = metrics.max_abs(eager["result"].latents, patched["result"].latents)
 
     # files
-    preview = out / "demo_latents.png"
     latent_side_by_side(image_latents(pipe, eager["result"].latents, height, width),
-                        image_latents(pipe, patched["result"].latents, height, width)).save(preview)
+                        image_latents(pipe, patched["result"].latents, height, width)).save(out.path(DEMO_FILES[0]))
     perf_paths = {}
     for label, run in runs.items():
         res = run["result"]
@@ -217,7 +265,10 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         )
         if label == "patched":
             rec["outputs"].update(verdict=verdict, max_abs_vs_eager=max_abs, patch_summary=patch_summary)
-        perf_paths[label] = perf.write_json(out / f"perf_{label}.json", rec)
+        perf.write_json(out.path(f"perf_{label}.json"), rec)
+        perf_paths[label] = out.final(f"perf_{label}.json")
+    out.commit()
+    preview = out.final(DEMO_FILES[0])
 
     # table
     def row(label):
@@ -245,7 +296,11 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     for op, e in sorted(gate.grouped(patched["report"]).items()):
         regions = f" ({e['regions']} regions)" if e["regions"] else ""
         echo(f"  {op + regions:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
-    for graph in coverage.graphs():
+    graphs = coverage.graphs()
+    if graphs:
+        echo("plan      the regions the engine made of each captured block graph (the counts above say how "
+             "many of their calls ran fused):")
+    for graph in graphs:
         for line in graph.lines():
             echo(f"  {line}")
     if not patched["report"]:
@@ -310,15 +365,27 @@ def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None
         with torch.no_grad():
             _sync(device)
             start = time.perf_counter()
-            images = pipe(**call, callback_on_step_end=on_step).images
+            result = pipe(**call, callback_on_step_end=on_step)
             _sync(device)
             total = time.perf_counter() - start
     finally:
         if bar is not None:
             bar.close()
+    images = pipeline_output(result)
     latents = images if isinstance(images, torch.Tensor) else torch.stack([torch.as_tensor(x) for x in images])
     steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
     return latents, total, steps_s
+
+
+def pipeline_output(result):
+    """What a diffusers pipeline returned: ``.images`` (image pipelines) or ``.frames`` (video pipelines
+    such as Wan's), or the first element of a tuple."""
+    for name in ("images", "frames"):
+        if hasattr(result, name):
+            return getattr(result, name)
+    if isinstance(result, (tuple, list)) and result:
+        return result[0]
+    raise HarnessError(f"{type(result).__name__} holds neither images nor frames")
 
 
 def image_latents(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 
 from . import _api, ab, metrics, perf
-from .demo import HarnessError, default_dtype, no_gpu_note, resolve_device
+from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device
+from .outputs import StagedOutput, check_writable
 from .sampling import synchronize
 from .tiny import dtype_from_name
 
@@ -85,22 +86,36 @@ def _read_json_object(path: Path) -> dict:
     return obj
 
 
+def vae_channels(model_path: str | Path) -> list[int]:
+    """The VAE's ``block_out_channels`` from vae/config.json (read before the slow load)."""
+    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
+    channels = _read_json_object(cfg_path).get("block_out_channels")
+    if not isinstance(channels, list) or not channels or not all(isinstance(c, int) and c > 0 for c in channels):
+        raise ModelDirError(f"{cfg_path} has no block_out_channels list")
+    return channels
+
+
 def size_multiple(model_path: str | Path) -> int:
     """What height and width must be multiples of: the pipeline's ``vae_scale_factor``, worked out
     from vae/config.json as ErnieImagePipeline does (2 ** len(block_out_channels)), so that a bad
     size is refused before the slow load."""
-    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
-    channels = _read_json_object(cfg_path).get("block_out_channels")
-    if not isinstance(channels, list) or not channels:
-        raise ModelDirError(f"{cfg_path} has no block_out_channels list")
-    return 2 ** len(channels)
+    return 2 ** len(vae_channels(model_path))
 
 
-def check_size(opts: GenerateOptions) -> None:
+def activation_bytes(opts: GenerateOptions, dtype: torch.dtype) -> int:
+    """A lower bound of one image's activation memory: the VAE decoder's last block holds a full-size
+    input and output of ``block_out_channels[0]`` channels (what a huge size fails on first)."""
+    return opts.height * opts.width * vae_channels(opts.model_path)[0] * dtype.itemsize * 2
+
+
+def check_size(opts: GenerateOptions, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
     multiple = size_multiple(opts.model_path)
     if opts.height % multiple or opts.width % multiple:
         raise HarnessError(f"--height and --width must be multiples of {multiple} for this model "
                            f"(got {opts.height}x{opts.width})")
+    if dtype is not None and device is not None:
+        check_activation_memory(activation_bytes(opts, dtype), f"--height {opts.height} --width {opts.width}",
+                                device, "use a smaller --height / --width")
 
 
 @dataclass
@@ -207,15 +222,36 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
     # every check of the arguments comes before the (slow) pipeline load
     index = validate_model_dir(opts.model_path)
-    check_size(opts)
     ex = _api.api()
     device = resolve_device(opts.device)
     dtname = opts.dtype or default_dtype(device)
     dtype = dtype_from_name(dtname)
+    check_size(opts, dtype, device)
     warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(opts.out)
+    with StagedOutput(opts.out, GENERATE_FILES) as out:
+        return _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo)
 
+
+#: what generate writes into --out (replaced as a set by the next generate there, --ab or not)
+GENERATE_FILES = ("image_patched_*.png", "image_baseline_*.png", "perf_patched.json", "perf_baseline.json",
+                  "perf_baseline_repeat.json", "ab_report.json", "ab_report.md", "ab_side_by_side_*.png",
+                  "ab_latents_side_by_side.png")
+
+
+def timing_notes(device: torch.device, warm: bool, runs: dict) -> list[str]:
+    """What the timings above do not show (no speedup is claimed where none was measured)."""
+    notes = []
+    if device.type != "cuda":
+        notes.append("NOTE: no CUDA GPU, so the timings are no speed measurement: the patched run's fused kernels "
+                     "need a GPU, and on the CPU the times show one-time costs and the machine's load, not exactdit.")
+    elif not warm and len(runs) > 1:
+        notes.append("NOTE: --no-warmup: each run's time includes one-time costs (the first run's CUDA start-up, "
+                     "the patched run's capture and kernel compilation); time with --warmup to compare runs.")
+    return notes
+
+
+def _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo) -> tuple[dict, int]:
     if opts.use_pe and index.get("pe") in (None, [None, None]):
         echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
 
@@ -253,9 +289,9 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
         for i, im in enumerate(run["images"]):
             if label == "baseline_repeat":
                 continue
-            p = out / f"image_{label}_{i}.png"
-            im.save(p)
-            written.append(str(p))
+            name = f"image_{label}_{i}.png"
+            im.save(out.path(name))
+            written.append(str(out.final(name)))
         rec = perf.make_record(
             label=label, kind="generate", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
             stages=run["stages"], args=args, report=run.get("report", {}), peak_gpu_memory_bytes=run["peak"],
@@ -267,8 +303,8 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
         )
         if label == "patched":
             rec["outputs"]["patch_summary"] = patch_summary
-        p = perf.write_json(out / f"perf_{label}.json", rec)
-        written.append(str(p))
+        perf.write_json(out.path(f"perf_{label}.json"), rec)
+        written.append(str(out.final(f"perf_{label}.json")))
         run["md5s"] = md5s
 
     pr = runs["patched"]
@@ -282,14 +318,16 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
     fused, fell_back, reasons = _api.summarize_report(pr["report"])
     echo(f"fused: {fused} op calls ran fused, {fell_back} fell back to eager"
          + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})" if reasons else ""))
+    for line in timing_notes(device, warm, runs):
+        echo(line)
 
     code = 0
     summary = {"files": written, "report": pr["report"], "md5": {k: r["md5s"] for k, r in runs.items()}}
     if opts.ab:
         meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
                 "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
-        rep = ab.write_report(out, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
-        written += [str(out / f) for f in rep["files"]]
+        rep = ab.write_report(out.stage, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
+        written += [str(out.final(f)) for f in rep["files"]]
         summary["ab"] = rep
         det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
         echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
@@ -300,5 +338,6 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             echo(f"     image {i}: max_abs {c['max_abs']:g}, PSNR {ab._fmt(c['psnr_db'])} dB, SSIM {ab._fmt(c['ssim'])}")
         if rep["verdict"] != "EQUAL":
             code = 1
+    out.commit()
     echo("wrote: " + ", ".join(written))
     return summary, code

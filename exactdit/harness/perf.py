@@ -286,21 +286,67 @@ def _cell(v: float | None, base: float | None) -> str:
     return f"{s} ({pct:+.1f}%, {speed:.2f}x)"
 
 
-def _name(rec: dict, path: str | Path) -> str:
+def column_names(paths: list[str | Path]) -> list[str]:
+    """Column names that tell the files apart: the file name, or as many trailing folders as it takes
+    (two runs' ``perf_patched.json`` become ``demo/perf_patched.json`` and ``gen/perf_patched.json``)."""
+    parts = [Path(os.path.abspath(Path(p).expanduser())).parts for p in paths]
+    longest = max(len(x) for x in parts)
+    for k in range(1, longest + 1):
+        names = [str(Path(*x[-k:])) for x in parts]
+        if len(set(names)) == len(names):
+            return names
+    names = [str(Path(p)) for p in paths]  # the same file more than once
+    return [f"{n} [{i + 1}]" for i, n in enumerate(names)]
+
+
+def _name(rec: dict, name: str) -> str:
     label = rec.get("label")
-    stem = Path(path).name
-    return f"{stem} ({label})" if label else stem
+    return f"{name} ({label})" if label else name
 
 
-def compare(paths: Iterable[str | Path]) -> str:
+def run_identity(rec: dict) -> dict[str, str | None]:
+    """What must match for two runs' timings to be comparable (None where a record does not say)."""
+    args = rec.get("args") if isinstance(rec.get("args"), dict) else {}
+    model = args.get("model")
+    model = f"{model} config={args.get('config')}" if model else args.get("model_path")
+    h, w, f = args.get("height"), args.get("width"), args.get("num_frames")
+    size = f"{h}x{w}" + (f"x{f}" if f else "") if h and w else None
+    dev = rec.get("device") or {}
+    device = f"{dev.get('type')} ({dev.get('name')})" if dev.get("type") or dev.get("name") else None
+    ident = {"run": rec.get("kind"), "model": model, "size": size, "steps": args.get("steps"),
+             "dtype": args.get("dtype"), "device": device}
+    return {k: (str(v) if v is not None else None) for k, v in ident.items()}
+
+
+def differences(recs: list[dict], names: list[str]) -> list[str]:
+    """One phrase per property (run kind, model, size, steps, dtype, device) the runs differ in."""
+    idents = [run_identity(r) for r in recs]
+    out = []
+    for key in idents[0]:
+        values = [i[key] for i in idents]
+        if len({v for v in values if v is not None}) > 1:
+            out.append(f"{key} (" + ", ".join(f"{n}: {v if v is not None else '?'}"
+                                              for n, v in zip(names, values)) + ")")
+    return out
+
+
+def compare(paths: Iterable[str | Path], force: bool = False) -> str:
     """Markdown table: one column per perf JSON, the first is the baseline; later columns show the value,
-    the relative change and the speedup (baseline / value) for each metric."""
+    the relative change and the speedup (baseline / value) for each metric.
+
+    Runs that differ in kind (demo / generate), model, size, steps, dtype or device are refused
+    (``PerfFileError``) unless ``force``; then the table says how they differ."""
     paths = list(paths)
     if len(paths) < 2:
         raise PerfFileError("compare needs at least two perf JSON files (baseline first)")
     recs = [load_record(p) for p in paths]
+    names = column_names(paths)
+    diffs = differences(recs, names)
+    if diffs and not force:
+        raise PerfFileError("the runs differ in " + "; ".join(diffs)
+                            + ", so their timings are not comparable; pass --force to compare them anyway")
     cols = [metrics_of(r) for r in recs]
-    header = "| metric | " + " | ".join(_name(r, p) for r, p in zip(recs, paths)) + " |"
+    header = "| metric | " + " | ".join(_name(r, n) for r, n in zip(recs, names)) + " |"
     lines = [header, "|---|" + "---|" * len(recs)]
     for key in cols[0]:
         if all(c[key] is None for c in cols):
@@ -308,8 +354,9 @@ def compare(paths: Iterable[str | Path]) -> str:
         base = cols[0][key]
         cells = [_cell(base, None)] + [_cell(c[key], base) for c in cols[1:]]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    devs = {(r.get("device") or {}).get("name") for r in recs}
-    notes = []
-    if len(devs) > 1:
-        notes.append("note: the runs are on different devices: " + ", ".join(sorted(str(d) for d in devs)))
+    notes = [f"note: the runs differ in {d}" for d in diffs]
+    cpu = [n for r, n in zip(recs, names) if (r.get("device") or {}).get("type") == "cpu"]
+    if cpu:
+        notes.append(f"note: {', '.join(cpu)} ran on the CPU, where exactdit's fused kernels do not run: "
+                     f"no speedup there is exactdit's")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -106,3 +106,47 @@ def save_tiny_pipeline(path, seed: int = 0) -> str:
     pipe = build_tiny_pipeline(seed=seed)
     pipe.save_pretrained(str(path))
     return str(path)
+
+
+#: what `exactdit tiny-pipeline` prints as the next step: the tiny VAE's 4x scale fits 32x32 pixels
+TINY_SIZE = 32
+
+
+def write_tiny_pipeline(path, seed: int = 0, force: bool = False) -> str:
+    """``exactdit tiny-pipeline``: save the tiny pipeline to ``path`` only if ``path`` is new or empty
+    (``force``: replace the pipeline already there: its model_index.json and component folders;
+    other files are kept). Saved in a temporary folder first, so a failure leaves ``path`` as it was."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from .demo import HarnessError
+    from .outputs import check_writable
+
+    out = check_writable(path, option="DIR")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HarnessError(f"DIR {out} is not empty; pass --force to replace the pipeline in it, or name a new folder")
+    with tempfile.TemporaryDirectory(prefix="exactdit-tiny-") as stage:
+        build_tiny_pipeline(seed=seed).save_pretrained(stage)
+        new = sorted(Path(stage).iterdir())
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            old = {p.name for p in new}
+            index = out / "model_index.json"
+            if index.is_file():
+                try:
+                    old |= {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)}
+                except (ValueError, UnicodeDecodeError, AttributeError):
+                    pass
+            for name in sorted(old):
+                p = out / name
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                elif p.exists() or p.is_symlink():
+                    p.unlink()
+            for p in new:
+                shutil.move(str(p), str(out / p.name))
+        except OSError as exc:
+            raise HarnessError(f"DIR {out}: could not write the pipeline ({exc.strerror or exc})") from None
+    return str(out)

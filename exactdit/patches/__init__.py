@@ -27,10 +27,24 @@ def _transformer(obj, caller: str = "patch"):
     model = obj if model is None else model
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if not isinstance(model, torch.nn.Module):
+        if isinstance(getattr(obj, "components", None), dict):  # a diffusers pipeline without a transformer
+            raise TypeError(f"exactdit.{caller}: {type(obj).__name__} has no transformer to {caller}"
+                            + _what_it_has(obj))
         raise TypeError(
             f"exactdit.{caller}: expected a diffusers pipeline or transformer, got {type(obj).__name__}"
         )
     return model
+
+
+def _what_it_has(pipe) -> str:
+    if "transformer" in pipe.components or hasattr(pipe, "transformer"):
+        return " (its transformer is None)"
+    import torch
+
+    models = [k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)]
+    if "unet" in models:
+        return " (its denoiser is a UNet, pipe.unet; exactdit patches diffusion transformers)"
+    return f" (its models: {', '.join(models)})" if models else " (it holds no model)"
 
 
 def _mirror(model, caller: str):

@@ -1,0 +1,83 @@
+"""An output folder a run either fills completely or leaves as it was.
+
+A run writes its files into a private temporary folder; only when it has written them all are they
+moved into ``--out``, after removing the files an earlier run of the same command left there (an
+``ab_report.md`` of another prompt beside a new image). A run that fails or is interrupted (Ctrl-C)
+removes its temporary folder and leaves ``--out`` untouched: no empty folder, no half-written set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from .demo import HarnessError
+
+
+def check_writable(out: str | Path, option: str = "--out") -> Path:
+    """Refuse, before a slow run, an output folder that cannot be created or written (one line naming
+    ``option``); creates nothing. Returns the folder as a Path."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise HarnessError(f"{option} {path}: is a file, not a folder")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise HarnessError(f"{option} {path}: {existing} is a file, not a folder")
+    try:  # the one reliable test (root passes os.access on read-only file systems such as /proc)
+        probe = tempfile.mkdtemp(prefix=".exactdit-probe-", dir=existing)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise HarnessError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
+    return path
+
+
+class StagedOutput:
+    """``with StagedOutput(out, owned) as o:`` write to ``o.path(name)``, then ``o.commit()``.
+
+    ``owned``: glob patterns of the files this command writes; on commit those already in ``out`` are
+    removed first, other files in ``out`` are left alone. ``final(name)`` is where a file ends up."""
+
+    def __init__(self, out: str | Path, owned: Iterable[str], option: str = "--out"):
+        self.out = Path(out).expanduser()
+        self.owned = tuple(owned)
+        self.option = option
+        self.stage: Path | None = None
+        self.committed: list[Path] = []
+
+    def __enter__(self) -> "StagedOutput":
+        self.stage = Path(tempfile.mkdtemp(prefix="exactdit-out-"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.stage is not None:
+            shutil.rmtree(self.stage, ignore_errors=True)
+            self.stage = None
+
+    def path(self, name: str) -> Path:
+        assert self.stage is not None, "StagedOutput used outside its with block"
+        return self.stage / name
+
+    def final(self, name: str | Path) -> Path:
+        return self.out / Path(name).name
+
+    def commit(self) -> list[Path]:
+        """Move every staged file into ``out`` (replacing the owned files of an earlier run)."""
+        assert self.stage is not None, "StagedOutput used outside its with block"
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for pattern in self.owned:
+                for old in self.out.glob(pattern):
+                    if old.is_file() or old.is_symlink():
+                        old.unlink()
+            for f in sorted(self.stage.iterdir()):
+                shutil.move(str(f), str(self.out / f.name))
+                self.committed.append(self.out / f.name)
+        except OSError as exc:
+            raise HarnessError(f"{self.option} {self.out}: could not write the results "
+                               f"({exc.strerror or exc})") from None
+        return self.committed

@@ -351,3 +351,29 @@ def _cosmos(model, batch, g, dtype):
     return kw
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Cosmos3 (Omni: packed text + vision sequence, understanding and generation pathways per layer)
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("cosmos3", "Cosmos3OmniTransformer", dict(
+    # diffusers' own test configuration (Nemotron RMSNorm, relu2 MLP, grouped-query attention)
+    head_dim=6, hidden_act="relu2", hidden_size=12, intermediate_size=24, latent_channel=2, latent_patch_size=1,
+    num_attention_heads=2, num_hidden_layers=2, num_key_value_heads=1, patch_latent_dim=2, qk_norm_for_text=False,
+    rms_norm_eps=1e-5, rope_axes_dim=(1, 1, 1), rope_theta=1e8, vocab_size=32), video=True)
+def _cosmos3(model, batch, g, dtype):
+    # one packed sequence (the model has no batch axis): two text tokens, then one vision token of one 1x1
+    # latent frame, as diffusers' tests pass it; a generation pathway of one token gives the attention
+    # and rotary operands the size-1 dims whose strides eager keeps (issue 35, item 15)
+    cfg = model.config
+    length = 3
+    vision = torch.arange(2, length)
+    return dict(
+        input_ids=torch.tensor([1, 2]), text_indexes=torch.tensor([0, 1]),
+        position_ids=torch.zeros((3, length), dtype=torch.long), und_len=2, sequence_length=length,
+        vision_tokens=[randn(g, 1, cfg.latent_channel, 1, 1, 1, dtype=dtype)], vision_token_shapes=[(1, 1, 1)],
+        vision_sequence_indexes=vision, vision_mse_loss_indexes=vision, vision_timesteps=torch.ones(1),
+        vision_noisy_frame_indexes=[torch.tensor([0])],
+    )

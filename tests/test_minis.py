@@ -73,6 +73,50 @@ def test_patch_captures_every_block(name):
     assert outputs_equal(out, ref)  # Cosmos3: a list of per-item tensors
 
 
+#: minis at 1-layer configs, as diffusers' own tests build these classes: the lone block of the
+#: model's block list is patched (issue 35 item 16)
+LONE_BLOCK = {"pixart-sigma": {"num_layers": 1}, "sana": {"num_layers": 1}, "hunyuan-dit": {"num_layers": 1}}
+
+
+def assert_blocks_captured_and_equal(tr, kw, blocks) -> None:
+    """``exactdit.patch(tr)`` patches every module of the classes ``blocks``, each class is captured
+    whole (a graph of it in ``exactdit.report()``, none in parts, no block run as diffusers' code), and
+    the patched forward is ``torch.equal`` to the unpatched one."""
+    from exactdit.engine import coverage
+
+    ref = run_forward(tr, kw)
+    summary = exactdit.patch(tr)
+    try:
+        out = run_forward(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
+    assert summary["patched"], summary
+    model = type(tr).__name__
+    for cls in blocks:
+        assert summary["modules"].get(cls) == sum(type(m).__name__ == cls for m in tr.modules()), (cls, summary)
+        assert any(k.startswith(f"{model}.{cls}#") for k in exactdit.report(show=False)), (cls, exactdit.report())
+    assert engine_eager_reasons() == {} and not coverage.in_parts()
+    assert outputs_equal(out, ref)
+
+
+@pytest.mark.parametrize("name", list(LONE_BLOCK))
+def test_a_lone_block_is_patched(name):
+    tr = minis.build(name, dtype=torch.float32, seed=4, overrides=LONE_BLOCK[name])
+    blocks = repeated_blocks(tr)
+    assert blocks and all(sum(type(m).__name__ == cls for m in tr.modules()) == 1 for cls in blocks)
+    assert_blocks_captured_and_equal(tr, minis.forward_inputs(name, tr, batch=2, seed=5), blocks)
+
+
+def test_blocks_a_model_runs_but_does_not_list_are_patched():
+    """HunyuanVideo's token-replace configuration (image-to-video) runs block classes its
+    ``_repeated_blocks`` omits: the members of its block lists are patched all the same (issue 35
+    item 17)."""
+    tr = minis.build("hunyuan-video", dtype=torch.float32, seed=4, overrides={"image_condition_type": "token_replace"})
+    replace = ("HunyuanVideoTokenReplaceTransformerBlock", "HunyuanVideoTokenReplaceSingleTransformerBlock")
+    assert not set(replace) & set(tr._repeated_blocks) and set(replace) <= set(repeated_blocks(tr))
+    assert_blocks_captured_and_equal(tr, minis.forward_inputs("hunyuan-video", tr, batch=2, seed=5), replace)
+
+
 PRODUCTION = [name for name, m in minis.MINIS.items() if m.production is not None]
 #: parameters of the released models (billions, as their model cards state them)
 RELEASED_PARAMS = {"flux2": 32.2, "sd3": 8.1, "hunyuan-video": 12.8, "ltx-video": 1.9, "cogvideox": 5.6}
@@ -125,14 +169,44 @@ class _Listed(torch.nn.Module):
         pass
 
 
-def test_repeated_blocks_are_listed_or_the_modules_lists_repeat():
-    assert repeated_blocks(_Listed()) == ("_Block",)  # listed: the list wins
+def test_repeated_blocks_are_listed_and_the_members_of_block_lists():
+    # listed, and a list's class the model does not list (issue 35 item 17)
+    assert repeated_blocks(_Listed()) == ("_Block", "Extra")
     unlisted = _Listed()
     unlisted._repeated_blocks = ()
     assert repeated_blocks(unlisted) == ("_Block", "Extra")
-    unlisted.blocks.append(torch.nn.Linear(8, 8))  # a list of mixed classes holds no repeated block
+    unlisted.blocks.append(torch.nn.Linear(8, 8))  # a list of mixed classes holds no block
     assert repeated_blocks(unlisted) == ("Extra",)
     assert repeated_blocks(torch.nn.Sequential(_Block(), _Block())) == ()
+    lone = _Listed()
+    lone._repeated_blocks = ()
+    lone.blocks, lone.extra = torch.nn.ModuleList([_Block()]), torch.nn.ModuleList()
+    assert repeated_blocks(lone) == ("_Block",)  # a block list of one (item 16); an empty one holds none
+
+
+class _Staged(torch.nn.Module):
+    """Lists inside listed blocks, and stages holding listed blocks, are captured with those blocks."""
+
+    _repeated_blocks = ("_Stage",)
+
+    class _Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.ModuleList([_Block(), _Block()])
+
+    class _Group(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stage = _Staged._Stage()
+
+    def __init__(self):
+        super().__init__()
+        self.stages = torch.nn.ModuleList([_Staged._Stage()])
+        self.groups = torch.nn.ModuleList([_Staged._Group(), _Staged._Group()])
+
+
+def test_lists_inside_or_around_listed_blocks_add_no_block():
+    assert repeated_blocks(_Staged()) == ("_Stage",)
 
 
 def test_a_model_without_repeated_blocks_is_left_unpatched_with_the_reason():

@@ -381,8 +381,10 @@ def test_captured_blocks_equal_cuda_order(name):
     tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=4)
     video = dict(num_frames=5) if models.get_spec(name).video else {}
     kw = models.forward_inputs(name, tr, batch=2, seed=5, height=32, width=32, **video)
-    for _, gm, inputs in capture_graphs(tr, kw):
-        rewrite_and_check(gm, inputs, name)
+    listed = set(getattr(tr, "_repeated_blocks", None) or ())
+    for cls, gm, inputs in capture_graphs(tr, kw):
+        # members of block lists a class does not list may hold nothing to fuse (Chroma's guidance MLP)
+        rewrite_and_check(gm, inputs, name, need_regions=not listed or cls in listed)
 
 
 @pytest.mark.parametrize("name", ["qwen", "zimage"])

@@ -117,6 +117,62 @@ def test_blocks_a_model_runs_but_does_not_list_are_patched():
     assert_blocks_captured_and_equal(tr, minis.forward_inputs("hunyuan-video", tr, batch=2, seed=5), replace)
 
 
+def _wan_animate_2_generation_inputs(kv_cache, seed: int = 6) -> dict:
+    """WanAnimate2's generation pass (``kv_cache_mode="cached"``: flex attention over the generation
+    tokens and the cached reference) for one sample, as diffusers' tests run it."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=[minis.randn(g, 16, 3, 4, 4)], timestep=torch.tensor([500.0]),
+                encoder_hidden_states=[minis.randn(g, 8, 32)], condition_latents=[minis.randn(g, 20, 3, 4, 4)],
+                encoder_hidden_states_image=minis.randn(g, 1, 4, 1280), kv_cache=kv_cache, kv_cache_mode="cached",
+                seq_len=12, reference_grid_sizes=torch.tensor([[2, 2, 2]]), origin_len=5, origin_area=[32, 32])
+
+
+def test_a_block_computing_shapes_from_an_integer_tensor_is_captured_whole():
+    """WanAnimate2's blocks read the patch grid from a (1, 3) integer tensor (``grid_sizes.tolist()``
+    in ``rope_apply``) and slice by its products; Dynamo turns the values into unbacked symbols and
+    cannot guard on ``freqs[0][:f]`` ("Could not guard on data-dependent expression 6*u4 < 2"). The
+    blocks are handed the values instead (``IntValues``) and captured whole: the reference pass (its
+    K/V cache too) and the generation pass equal diffusers' (issue 35 item 18)."""
+    from exactdit.engine import coverage
+
+    tr = minis.build("wan-animate-2", dtype=torch.float32, seed=4)
+    ref_kw, kw = (minis.forward_inputs("wan-animate-2", tr, batch=2, seed=5) for _ in range(2))
+    with torch.no_grad():
+        ref = run_forward(tr, ref_kw)
+        one = minis.forward_inputs("wan-animate-2", tr, batch=1, seed=5)
+        run_forward(tr, one)  # a one-sample cache for the generation pass
+        ref_gen = run_forward(tr, _wan_animate_2_generation_inputs(one["kv_cache"]))
+        exactdit.patch(tr)
+        try:
+            out = run_forward(tr, kw)
+            gen = run_forward(tr, _wan_animate_2_generation_inputs(one["kv_cache"]))
+        finally:
+            exactdit.unpatch(tr)
+    assert outputs_equal(out, ref) and outputs_equal(gen, ref_gen)
+    for a, b in zip(kw["kv_cache"].layer_caches, ref_kw["kv_cache"].layer_caches):
+        assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
+    graphs = [k for k in exactdit.report(show=False) if k.startswith("WanAnimate2Transformer3DModel.WanAnimate2TransformerBlock#")]
+    assert len({k.split(".r")[0] for k in graphs}) == 2  # one graph per pass, each run by both blocks
+    assert engine_eager_reasons() == {} and not coverage.in_parts()
+
+
+def test_int_values_read_as_the_tensor_reads():
+    from exactdit.patches.engine import IntValues, _values_for_ints
+
+    t = torch.tensor([[2, 3, 4], [5, 6, 7]])
+    v = _values_for_ints(t)
+    assert isinstance(v, IntValues) and v.tolist() == t.tolist() and v.tolist() is not v.values
+    assert v[1].tolist() == t[1].tolist() and v[1][2].item() == t[1][2].item() and [r.tolist() for r in v] == t.tolist()
+    assert (v.shape, v.dim(), v.numel(), len(v), v.dtype) == (t.shape, t.dim(), t.numel(), len(t), t.dtype)
+    with pytest.raises(RuntimeError):
+        v.item()
+    with pytest.raises(AttributeError):
+        v.float()  # only reads are modelled: a capture using the tensor otherwise fails
+    floats, big, flags = torch.ones(3), torch.arange(65), torch.tensor([True])
+    args = (floats, big, flags, "x")
+    assert _values_for_ints(args) is args and _values_for_ints({"a": args}) is not None
+
+
 PRODUCTION = [name for name, m in minis.MINIS.items() if m.production is not None]
 #: parameters of the released models (billions, as their model cards state them)
 RELEASED_PARAMS = {"flux2": 32.2, "sd3": 8.1, "hunyuan-video": 12.8, "ltx-video": 1.9, "cogvideox": 5.6}

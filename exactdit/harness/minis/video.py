@@ -377,3 +377,30 @@ def _cosmos3(model, batch, g, dtype):
         vision_sequence_indexes=vision, vision_mse_loss_indexes=vision, vision_timesteps=torch.ones(1),
         vision_noisy_frame_indexes=[torch.tensor([0])],
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Wan-Animate-2 (in-context reference: the reference pass writes each block's K/V into a cache)
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("wan-animate-2", "WanAnimate2Transformer3DModel", dict(
+    # diffusers' own test configuration (its image embedding is 1280 wide: MLPProj hardcodes CLIP's width)
+    patch_size=(1, 2, 2), text_len=16, in_dim=16 + 20, dim=128, ffn_dim=256, freq_dim=64, text_dim=32, out_dim=16,
+    num_heads=4, num_layers=2, cross_attn_norm=True, use_img_emb=True), video=True)
+def _wan_animate_2(model, batch, g, dtype):
+    # WanAnimate2Pipeline's reference pass (kv_cache_mode="extract"), as diffusers' tests run it: per sample two
+    # latent frames of 4x4 with 20 conditioning channels, 8 text tokens of 32, 4 CLIP tokens; the blocks read
+    # the patch grid from a (1, 3) integer tensor with .tolist() (issue 35 item 18)
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    frames, size = 2, 4
+    return dict(
+        hidden_states=[randn(g, 16, frames, size, size, dtype=dtype) for _ in range(batch)],
+        timestep=torch.ones(batch, dtype=dtype),
+        encoder_hidden_states=[randn(g, 8, model.config.text_dim, dtype=dtype) for _ in range(batch)],
+        condition_latents=[randn(g, 20, frames, size, size, dtype=dtype) for _ in range(batch)],
+        encoder_hidden_states_image=randn(g, batch, 4, 1280, dtype=dtype),
+        kv_cache=WanAnimate2KVCache(model.config.num_layers), kv_cache_mode="extract",
+        seq_len=frames * (size // 2) ** 2, offset_grid_sizes=torch.tensor([[frames, size // 2, size // 2]]),
+    )

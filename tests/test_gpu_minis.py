@@ -34,6 +34,10 @@ def test_mini_model_equal_to_eager(name, dtype):
 VARIANTS = [("pixart-sigma", {"num_layers": 1}, "BasicTransformerBlock"),
             ("sana", {"num_layers": 1}, "SanaTransformerBlock"),
             ("hunyuan-dit", {"num_layers": 1}, "HunyuanDiTBlock"),
+            ("dit", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("latte", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("allegro", {"num_layers": 1}, "AllegroTransformerBlock"),
+            ("transformer-temporal", {"num_layers": 1}, "BasicTransformerBlock"),
             ("hunyuan-video", {"image_condition_type": "token_replace"}, "HunyuanVideoTokenReplaceTransformerBlock"),
             ("wan-animate-2", {}, "WanAnimate2TransformerBlock"),
             ("cosmos3", {}, "Cosmos3VLTextMoTDecoderLayer")]

@@ -75,7 +75,8 @@ def test_patch_captures_every_block(name):
 
 #: minis at 1-layer configs, as diffusers' own tests build these classes: the lone block of the
 #: model's block list is patched (issue 35 item 16)
-LONE_BLOCK = {"pixart-sigma": {"num_layers": 1}, "sana": {"num_layers": 1}, "hunyuan-dit": {"num_layers": 1}}
+LONE_BLOCK = {name: {"num_layers": 1} for name in ("pixart-sigma", "sana", "hunyuan-dit", "dit", "latte", "allegro",
+                                                   "transformer-temporal")}
 
 
 def assert_blocks_captured_and_equal(tr, kw, blocks) -> None:
@@ -103,7 +104,8 @@ def assert_blocks_captured_and_equal(tr, kw, blocks) -> None:
 def test_a_lone_block_is_patched(name):
     tr = minis.build(name, dtype=torch.float32, seed=4, overrides=LONE_BLOCK[name])
     blocks = repeated_blocks(tr)
-    assert blocks and all(sum(type(m).__name__ == cls for m in tr.modules()) == 1 for cls in blocks)
+    lists = [m for m in tr.modules() if isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__ in blocks]
+    assert blocks and lists and all(len(m) == 1 for m in lists)  # Latte: a spatial and a temporal list of one
     assert_blocks_captured_and_equal(tr, minis.forward_inputs(name, tr, batch=2, seed=5), blocks)
 
 

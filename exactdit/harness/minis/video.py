@@ -404,3 +404,47 @@ def _wan_animate_2(model, batch, g, dtype):
         kv_cache=WanAnimate2KVCache(model.config.num_layers), kv_cache_mode="extract",
         seq_len=frames * (size // 2) ** 2, offset_grid_sizes=torch.tensor([[frames, size // 2, size // 2]]),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Latte (spatial and temporal BasicTransformerBlocks alternating), Allegro, TransformerTemporal
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("latte", "LatteTransformer3DModel", dict(
+    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, cross_attention_dim=32,
+    sample_size=8, patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+    norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=32,
+    video_length=FRAMES), video=True)
+def _latte(model, batch, g, dtype):
+    # LattePipeline: (B, C, F, H, W) latents, T5 embeds, a float timestep per row
+    cfg = model.config
+    return dict(
+        hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        timestep=timesteps(g, batch),
+        encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
+        enable_temporal_attentions=True,
+    )
+
+
+@mini("allegro", "AllegroTransformer3DModel", dict(
+    patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+    num_layers=2, cross_attention_dim=32, sample_height=HEIGHT, sample_width=WIDTH, sample_frames=FRAMES,
+    caption_channels=24), video=True)
+def _allegro(model, batch, g, dtype):
+    # AllegroPipeline: (B, C, F, H, W) latents, T5 embeds with their attention mask, a timestep per row
+    cfg = model.config
+    return dict(
+        hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
+        timestep=timesteps(g, batch),
+        encoder_attention_mask=text_mask(batch, dtype),
+    )
+
+
+@mini("transformer-temporal", "TransformerTemporalModel", dict(
+    num_attention_heads=2, attention_head_dim=16, in_channels=32, num_layers=2, norm_num_groups=32,
+    activation_fn="geglu"), video=True)
+def _transformer_temporal(model, batch, g, dtype):
+    # a UNet's temporal layer (text-to-video UNets): frames stacked in the batch, num_frames given
+    return dict(hidden_states=randn(g, batch * FRAMES, model.config.in_channels, 4, 4, dtype=dtype), num_frames=FRAMES)

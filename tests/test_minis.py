@@ -109,6 +109,17 @@ def test_a_lone_block_is_patched(name):
     assert_blocks_captured_and_equal(tr, minis.forward_inputs(name, tr, batch=2, seed=5), blocks)
 
 
+def test_lone_blocks_of_a_class_without_a_mini_are_found():
+    """HunyuanVideo-Framepack at the 1-layer config diffusers tests it with (no mini: its inputs
+    are many): its lone dual- and single-stream blocks are blocks (built on the meta device)."""
+    import diffusers
+
+    with torch.device("meta"):
+        tr = diffusers.HunyuanVideoFramepackTransformer3DModel(num_layers=1, num_single_layers=1, num_refiner_layers=1)
+    assert {"HunyuanVideoTransformerBlock", "HunyuanVideoSingleTransformerBlock",
+            "HunyuanVideoIndividualTokenRefinerBlock"} <= set(repeated_blocks(tr))
+
+
 def test_blocks_a_model_runs_but_does_not_list_are_patched():
     """HunyuanVideo's token-replace configuration (image-to-video) runs block classes its
     ``_repeated_blocks`` omits: the members of its block lists are patched all the same (issue 35

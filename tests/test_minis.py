@@ -274,8 +274,26 @@ class _Staged(torch.nn.Module):
         self.groups = torch.nn.ModuleList([_Staged._Group(), _Staged._Group()])
 
 
+class _Stage2(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.resnets = torch.nn.ModuleList([_Block(), _Block()])
+        self.downsamplers = torch.nn.ModuleList([_Listed.Extra()])  # a lone list inside a list: no block
+
+
+class _UNetLike(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = torch.nn.ModuleList([_Stage2(), torch.nn.Linear(8, 8)])  # mixed: looked into
+        self.temporal_in = _Staged._Stage()  # a lone _Block list in it, _Stage being no block here
+        self.mids = torch.nn.ModuleList([_Staged._Group()])  # holds a _Stage, which holds _Blocks
+
+
 def test_lists_inside_or_around_listed_blocks_add_no_block():
     assert repeated_blocks(_Staged()) == ("_Stage",)
+    # _Group is a lone block at the top; _Block, inside _Group's modules, is then no block anywhere
+    # (a class is patched in all its instances, and no block may lie inside a block)
+    assert repeated_blocks(_UNetLike()) == ("_Group",)
 
 
 def test_a_model_without_repeated_blocks_is_left_unpatched_with_the_reason():

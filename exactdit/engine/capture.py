@@ -16,19 +16,25 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     lists them, and the classes of its block lists: the ``nn.ModuleList``s whose members (one or
     more) are all of one class defined outside ``torch.nn`` (SD3's ``transformer_blocks``,
     PixArt's, Sana's, Lumina2's refiners and layers), outermost lists only, outside the listed
-    blocks and holding none. A lone block counts (a model at a 1-layer config), and so does a list
-    of a class ``_repeated_blocks`` leaves out (HunyuanVideo's token-replace blocks, token refiners
-    and text projections some classes do not list)."""
+    blocks and holding none. A lone block counts (a model at a 1-layer config) where its list lies
+    in no other list (a UNet's per-stage ``downsamplers`` do), and so does a list of a class
+    ``_repeated_blocks`` leaves out (HunyuanVideo's token-replace blocks, token refiners and text
+    projections some classes do not list)."""
     listed = tuple(getattr(model, "_repeated_blocks", None) or ())
     found: list[str] = list(listed)
     inside: list[str] = []
+    lists: list[str] = []  # every ModuleList seen
     for name, m in model.named_modules():
         if not name or any(name.startswith(p) for p in inside):
             continue
         if type(m).__name__ in listed:  # captured whole, lists inside it included
             inside.append(name + ".")
             continue
-        if not isinstance(m, torch.nn.ModuleList) or not len(m):
+        if not isinstance(m, torch.nn.ModuleList):
+            continue
+        nested = any(name.startswith(p) for p in lists)
+        lists.append(name + ".")
+        if len(m) < (2 if nested else 1):
             continue
         classes = {type(c) for c in m}
         cls = classes.pop() if len(classes) == 1 else None
@@ -39,7 +45,12 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
         if cls.__name__ not in found:
             found.append(cls.__name__)
         inside.append(name + ".")
-    return tuple(found)
+    # a class found in a list that also lies inside another found class's modules elsewhere
+    # (UNet3D's transformer_in) is captured with them: no block inside a block
+    names = set(found)
+    nested = {type(sub).__name__ for m in model.modules() if m is not model and type(m).__name__ in names
+              for sub in m.modules() if sub is not m and type(sub).__name__ in names}
+    return tuple(c for c in found if c not in nested or c in listed)
 
 
 def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:

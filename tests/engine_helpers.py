@@ -312,3 +312,28 @@ POINTWISE_GRAPHS = {
 
 #: graphs whose transcendental functions are tables of bf16 / fp16 values (fp32 stays with ATen)
 HALF_ONLY_GRAPHS = ("gelu tanh times up", "silu times up", "tanh gate", "cat on the last dim")
+
+#: region graphs over (x, y) of one shape: TensorIterator ops with a wrapped number (ordered by
+#: every operand's strides, size-1 dims included), of same-shaped operands (its fast set-up), a
+#: broadcast operand, a cast (``empty_like``'s preserved strides) and a cat
+SIZE_ONE_GRAPHS = {
+    "times a number": lambda b, x, y: b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, 0.5), 0.25),
+    "product": lambda b, x, y: b.op(aten.neg.default, b.op(aten.mul.Tensor, x, y)),
+    "broadcast row": lambda b, x, y: b.op(aten.mul.Tensor, b.op(aten.add.Tensor, x, b.op(
+        aten.slice.Tensor, b.op(aten.view.default, y, [-1]), 0, 0, x.meta["val"].shape[-1])), 3.0),
+    "cast": lambda b, x, y: b.op(aten._to_copy.default, b.op(aten.mul.Tensor, x, y), dtype=torch.bfloat16),
+    "rotate half": lambda b, x, y: b.op(aten.mul.Tensor, b.op(aten.cat.default, [
+        b.op(aten.neg.default, b.op(aten.slice.Tensor, x, -1, 3, 6)), b.op(aten.slice.Tensor, x, -1, 0, 3)], -1), y),
+}
+#: (shape, strides of the size-1 dims in turn): Cosmos3's (1, 1, 6) rotary tables and the
+#: (1, 2, 1, 6) attention output, transposed, whose size-1 stride eager keeps
+SIZE_ONE_LAYOUTS = [((1, 2, 1, 6), (12, 12)), ((1, 2, 1, 6), (1, 72)), ((1, 1, 6), (6, 6)), ((1, 1, 6), (1, 36)),
+                    ((2, 1, 6), (1,)), ((2, 1, 6), (24,)), ((1, 1, 6), (0, 0))]
+
+
+def with_size_one_strides(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``t``'s values in a tensor whose size-1 dims have ``strides`` (the others dense, row-major)."""
+    picked = iter(strides)
+    dense = torch.empty(t.shape, dtype=t.dtype).stride()
+    strides = [next(picked) if n == 1 else st for n, st in zip(t.shape, dense)]
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, GraphBuilder, aten, gated_residual,
-                                  rewrite_and_check_against_eager, rows_adjacent_block)
+from tests.engine_helpers import (HALF_ONLY_GRAPHS, POINTWISE_GRAPHS, SIZE_ONE_GRAPHS, SIZE_ONE_LAYOUTS, GraphBuilder, aten,
+                                  gated_residual, rewrite_and_check_against_eager, rows_adjacent_block,
+                                  with_size_one_strides)
 from tests.helpers import rand, with_special_values
 
 pytestmark = pytest.mark.gpu
@@ -84,3 +85,23 @@ def test_rows_adjacent_in_memory_equal_eager_cuda(width, seq, dtype):
         b = GraphBuilder()
         gm = b.module(*build(b, *(b.input(t) for t in inputs)))
         rewrite_and_check_against_eager(gm, inputs, f"{build.__name__} {width} x {seq} {dtype}")
+
+
+@pytest.mark.parametrize("meta", ["eager", "fake"])
+@pytest.mark.parametrize("layout", SIZE_ONE_LAYOUTS, ids=lambda l: f"{'x'.join(map(str, l[0]))}-{l[1]}")
+@pytest.mark.parametrize("name", list(SIZE_ONE_GRAPHS))
+def test_region_outputs_have_eagers_strides_over_size_one_dims_cuda(name, layout, meta):
+    """Issue 35 item 15 (Cosmos3's (1, 1, 6) rotary operands, its transposed (1, 2, 1, 6) attention
+    output): regions built from row-major values (or fake ones) run on inputs whose size-1 dims have
+    other strides, against eager CUDA, strides included."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    shape, strides = layout
+    g = torch.Generator().manual_seed(7)
+    dense = [rand(shape, torch.float32, "cuda", g) for _ in range(2)]
+    inputs = [with_size_one_strides(t, strides) for t in dense]
+    b = GraphBuilder()
+    gm = b.module(SIZE_ONE_GRAPHS[name](b, *(b.input(t) for t in dense)))
+    if meta == "fake":
+        FakeTensorProp(gm).propagate(*inputs)
+    rewrite_and_check_against_eager(gm, inputs, f"size-1 strides {name} {layout} {meta}")

@@ -25,3 +25,33 @@ def test_mini_model_equal_to_eager(name, dtype):
     if minis.MINIS[name].eager is not None:
         kws = [minis.forward_inputs(name, tr, batch=2, seed=s, device="cuda") for s in range(3, 3 + RECAPTURES_ALLOWED + 3)]
         assert_recaptured_blocks_fall_back(tr, kws, run_forward)
+
+
+#: issue 35: minis at 1-layer configs (a lone block, item 16), HunyuanVideo's token-replace blocks
+#: its class does not list (item 17), WanAnimate2's blocks that read shapes from an integer tensor
+#: (item 18), Cosmos3's one-token generation pathway (size-1 strides, item 15), each with the block
+#: class that must show fused regions: captured whole, torch.equal to eager, no region disabled
+VARIANTS = [("pixart-sigma", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("sana", {"num_layers": 1}, "SanaTransformerBlock"),
+            ("hunyuan-dit", {"num_layers": 1}, "HunyuanDiTBlock"),
+            ("dit", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("latte", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("allegro", {"num_layers": 1}, "AllegroTransformerBlock"),
+            ("transformer-temporal", {"num_layers": 1}, "BasicTransformerBlock"),
+            ("hunyuan-video", {"image_condition_type": "token_replace"}, "HunyuanVideoTokenReplaceTransformerBlock"),
+            ("wan-animate-2", {}, "WanAnimate2TransformerBlock"),
+            ("cosmos3", {}, "Cosmos3VLTextMoTDecoderLayer")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name,overrides,block", VARIANTS, ids=[f"{v[0]}-{'-'.join(map(str, v[1].values())) or 'tiny'}"
+                                                                  for v in VARIANTS])
+def test_mini_variant_captured_whole_and_equal_to_eager(name, overrides, block, dtype):
+    import exactdit
+    from exactdit.engine import coverage
+
+    tr = minis.build(name, dtype=dtype, device="cuda", seed=1, overrides=overrides)
+    assert_patched_equals_eager(tr, minis.forward_inputs(name, tr, batch=2, seed=2, device="cuda"), run_forward)
+    assert engine_eager_reasons() == {} and not coverage.in_parts()
+    prefix = f"{type(tr).__name__}.{block}#"
+    assert any(k.startswith(prefix) and v["fused"] for k, v in exactdit.report(show=False).items()), prefix

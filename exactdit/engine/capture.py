@@ -12,26 +12,45 @@ from torch._dynamo.backends.common import aot_autograd
 
 
 def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
-    """The block classes ``model`` repeats: its ``_repeated_blocks`` where diffusers lists them,
-    else the classes of the ``nn.ModuleList``s that hold two or more modules of one class defined
-    outside ``torch.nn`` (SD3's ``transformer_blocks``, PixArt's, Sana's, Lumina2's refiners and
-    layers), outermost lists only. On every class that lists its blocks the two agree (diffusers
-    0.42.1), bar token refiners and projections some classes leave out of the list."""
+    """The block classes the engine patches in ``model``: its ``_repeated_blocks`` where diffusers
+    lists them, and the classes of its block lists: the ``nn.ModuleList``s whose members (one or
+    more) are all of one class defined outside ``torch.nn`` (SD3's ``transformer_blocks``,
+    PixArt's, Sana's, Lumina2's refiners and layers), outermost lists only, outside the listed
+    blocks and holding none. A lone block counts (a model at a 1-layer config) where its list lies
+    in no other list (a UNet's per-stage ``downsamplers`` do), and so does a list of a class
+    ``_repeated_blocks`` leaves out (HunyuanVideo's token-replace blocks, token refiners and text
+    projections some classes do not list)."""
     listed = tuple(getattr(model, "_repeated_blocks", None) or ())
-    if listed:
-        return listed
-    found: list[str] = []
+    found: list[str] = list(listed)
     inside: list[str] = []
+    lists: list[str] = []  # every ModuleList seen
     for name, m in model.named_modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) < 2 or any(name.startswith(p) for p in inside):
+        if not name or any(name.startswith(p) for p in inside):
+            continue
+        if type(m).__name__ in listed:  # captured whole, lists inside it included
+            inside.append(name + ".")
+            continue
+        if not isinstance(m, torch.nn.ModuleList):
+            continue
+        nested = any(name.startswith(p) for p in lists)
+        lists.append(name + ".")
+        if len(m) < (2 if nested else 1):
             continue
         classes = {type(c) for c in m}
         cls = classes.pop() if len(classes) == 1 else None
-        if cls is not None and not cls.__module__.startswith("torch.nn"):
-            if cls.__name__ not in found:
-                found.append(cls.__name__)
-            inside.append(name + ".")
-    return tuple(found)
+        if cls is None or cls.__module__.startswith("torch.nn"):
+            continue
+        if any(type(d).__name__ in listed for c in m for d in c.modules()):
+            continue  # stages holding listed blocks: the blocks are captured
+        if cls.__name__ not in found:
+            found.append(cls.__name__)
+        inside.append(name + ".")
+    # a class found in a list that also lies inside another found class's modules elsewhere
+    # (UNet3D's transformer_in) is captured with them: no block inside a block
+    names = set(found)
+    nested = {type(sub).__name__ for m in model.modules() if m is not model and type(m).__name__ in names
+              for sub in m.modules() if sub is not m and type(sub).__name__ in names}
+    return tuple(c for c in found if c not in nested or c in listed)
 
 
 def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:

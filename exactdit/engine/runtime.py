@@ -59,9 +59,8 @@ class RegionOp:
         self._table_cache: dict = {}
         complex_inputs = [n.meta["val"].dtype == torch.complex64 for n in region.inputs]
         self._complex_inputs = complex_inputs if any(complex_inputs) else None
-        self._out_layout = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
-                            for n in region.outputs]
-        self._out_strides = [stride for _, stride, _ in self._out_layout]
+        #: output (shape, strides, dtype) per input layout: eager's own (see :meth:`_out_layout`)
+        self._out_layouts: dict = {}
         #: a GEMM region's way without its kernel (cuBLAS, then the epilogue), and per signature
         #: which way was faster: (way, fused us, split us)
         self._alternative = RegionOp(region.alternative) if region.alternative is not None else None
@@ -106,15 +105,16 @@ class RegionOp:
     def _fused(self, *inputs):
         device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else next(
             t.device for t in inputs if isinstance(t, torch.Tensor))
+        layout = self._out_layout(inputs)
         if self._complex_inputs:  # kernels read complex64 through its fp32 view
             inputs = tuple(torch.view_as_real(t) if c else t for t, c in zip(inputs, self._complex_inputs))
         if self.region.kind == "gemm" and device.type == "cuda":
             gemm.ensure_allocator()
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in layout]
         if gate.poison_outputs():
             _poison(outs)
         tensors = (inputs, outs, self._tables(device)[0])
-        strides = ([t.stride() for t in inputs], self._out_strides)
+        strides = ([t.stride() for t in inputs], [stride for _, stride, _ in layout])
         for step in self._launches(device):  # (not `launch`: that is the module of compiled launches)
             args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in step.params]
             step.fn[step.grid](*args, **step.kwargs)
@@ -151,9 +151,10 @@ class RegionOp:
             return None
         if self.region.kind == "gemm":
             gemm.ensure_allocator()
+        layout = self._out_layout(inputs)
         views = tuple(torch.view_as_real(t) if c else t
                       for t, c in zip(inputs, self._complex_inputs or [False] * len(inputs)))
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self._out_layout]
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in layout]
         data = self._tables(device)[0]
         names = {}
         for group, prefix in ((views, "in"), (outs, "out"), (data, "tab")):
@@ -178,14 +179,14 @@ class RegionOp:
                  f"    if current_device() != {device.index} or hooks_installed():",
                  f"        return plain({params})"]
         lines += [f"    in{i} = view_as_real(in{i})" for i, c in enumerate(self._complex_inputs or ()) if c]
-        for j, (shape, stride, dtype) in enumerate(self._out_layout):
+        for j, (shape, stride, dtype) in enumerate(layout):
             # new_empty_strided of a kept empty tensor: fewer arguments to parse than empty_strided
             like = name_of(torch.empty(0, dtype=dtype, device=device))
             lines.append(f"    out{j} = {like}.new_empty_strided({shape!r}, {stride!r})")
         outputs = "".join(f"out{j}, " for j in range(len(outs)))
         lines += ["    if poisoned:", f"        poison(({outputs}))", f"    stream = current_stream({device.index})"]
         tensors = (views, outs, data)
-        strides = ([t.stride() for t in views], self._out_strides)
+        strides = ([t.stride() for t in views], [stride for _, stride, _ in layout])
         for plan in self._launches(device):
             args = tuple(tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in plan.params)
             compiled = launch.compile_for(plan.fn, plan.grid, args, plan.kwargs, device)
@@ -197,6 +198,24 @@ class RegionOp:
         return scope["fast"]
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _out_layout(self, inputs) -> list[tuple[tuple, tuple, torch.dtype]]:
+        """Each output's (shape, strides, dtype) as eager gives them for inputs of this layout:
+        read off one run of the region's ATen nodes, once per layout. The captured graph's fake
+        values do not always have them: strides of size-1 dims follow the inputs' (TensorIterator
+        orders dims by every operand's strides, size-1 dims included, unless all operands share
+        one shape), and a fake value follows the fake inputs, whose size-1 strides can differ from
+        the real ones (an attention output), or predicts them otherwise (``x * 0.5`` on a
+        (1, 2, 1, 6) tensor of strides (12, 6, 12, 1): eager keeps them, the meta kernel gives
+        (12, 6, 6, 1)). The kernels take any output strides."""
+        key = tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
+        layout = self._out_layouts.get(key)
+        if layout is None:
+            with torch.no_grad():
+                outs = self._reference(*inputs)
+            layout = [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]
+            self._out_layouts[key] = layout
+        return layout
 
     def kernels(self) -> list[tuple[object, GeneratedKernel]]:
         if self._kernels is None:

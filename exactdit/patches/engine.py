@@ -1,8 +1,10 @@
 """``exactdit.patch`` for any diffusers transformer: its repeated blocks run through the engine.
 
 diffusers lists each transformer's repeated block classes in ``_repeated_blocks`` (what its
-own ``compile_repeated_blocks`` compiles); for classes that list none (SD3, PixArt, Sana,
-CogVideoX, Lumina2, ...) they are the modules its ``nn.ModuleList``s repeat. Each such block, and the final-norm modules listed in
+own ``compile_repeated_blocks`` compiles); the members of the model's block lists (its
+``nn.ModuleList``s of one class: SD3, PixArt, Sana, CogVideoX, Lumina2, ... list none, and
+HunyuanVideo's token-replace blocks are not listed) are blocks too, a lone one included (1-layer
+configs; :func:`exactdit.engine.capture.repeated_blocks`). Each such block, and the final-norm modules listed in
 :data:`EXTRA_MODULES`, gets a compiled call through the ``exactdit`` backend: Dynamo captures
 the block class once (all instances share the graph), the engine rewrites it, and the block
 runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
@@ -12,6 +14,10 @@ A block carrying diffusers hooks (block-level group offloading, the first-block 
 SeaCache) keeps them as they are: its hooks run eagerly around it (their ``torch.compiler.disable``d parameter moves and cache
 decisions included) and the block's own forward, innermost in the hook chain, runs the captured
 graph (:class:`InnerCall`).
+
+A block that computes shapes from a small integer CPU tensor's values (WanAnimate2's
+``grid_sizes.tolist()``), which Dynamo cannot capture whole ("data-dependent expression"), is
+handed those values as guarded constants (:class:`IntValues`) and captured whole.
 
 A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, hooks
 on its layers such as leaf-level offloading or TaylorSeer) is captured in parts: Dynamo's graphs
@@ -69,6 +75,9 @@ class _ClassState:
     backend: object = None
     failed: str | None = None
     warned: set = dataclasses.field(default_factory=set)
+    #: the class's blocks read small integer CPU tensors' values (``.tolist()``) into shapes: calls
+    #: pass those values (:class:`IntValues`) instead, Dynamo capturing them as guarded constants
+    values_as_constants: bool = False
     graphs: int = 0  # graphs Dynamo captured for this class (whole or in parts)
     runs: int = 0  # calls of those graphs
     recaptures: int = 0  # calls of its blocks in parts that captured anew for a signature the block had run
@@ -157,6 +166,8 @@ class EngineCall:
         if in_parts is not None:
             return self._run_in_parts(parts, eager, *args, **kwargs)
         try:
+            if state.values_as_constants:
+                return compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
             return compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture whole still runs
             if type(e).__name__ == "FailOnRecompileLimitHit":
@@ -166,6 +177,14 @@ class EngineCall:
                 gate.count_eager(f"engine.{state.label}", RECOMPILE_LIMIT_REASON)
                 return eager(*args, **kwargs)
             why = f"{type(e).__name__}: {_first_line(e)}"
+            if not state.values_as_constants and "data-dependent" in why and _values_for_ints((args, kwargs)) is not (args, kwargs):
+                try:  # shapes computed from a small integer tensor's values: capture those values as constants
+                    out = compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
+                except Exception:  # noqa: BLE001 - not that: the first reason stands
+                    pass
+                else:
+                    state.values_as_constants = True
+                    return out
         return self._run_in_parts(parts, eager, *args, first_why=why, **kwargs)
 
     def _run_in_parts(self, parts, eager, *args, first_why: str | None = None, **kwargs):
@@ -223,6 +242,78 @@ class EngineCall:
 def _compiled(fn, backend) -> tuple:
     """``fn`` compiled as one graph, and in parts (graph breaks allowed); static shapes."""
     return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False) for whole in (True, False))
+
+
+#: integer tensors of at most this many elements, on the CPU, may be read as constants (IntValues)
+INT_VALUES_MAX = 64
+
+
+class IntValues:
+    """A small integer CPU tensor's values, standing in for it in a block's captured call where the
+    block computes shapes from them: WanAnimate2's ``rope_apply`` reads its ``grid_sizes`` tensor with
+    ``.tolist()`` and slices by the products, which Dynamo cannot capture from a tensor (the values
+    become unbacked symbols and ``freqs[0][:f]`` needs a guard on them: "Could not guard on
+    data-dependent expression"). Handed these instead, Dynamo reads the values as constants and
+    guards on each (other values capture again), and the graph is what eager runs for them. Only
+    reads are modelled (``tolist``, ``item``, indexing, iteration, ``len``, ``shape``, ``dim``,
+    ``numel``, ``dtype``); any other use fails the capture, and the block runs as it would without
+    (in parts). Used only for classes whose capture with the tensors failed on data-dependent shapes."""
+
+    def __init__(self, values, shape: tuple, dtype: torch.dtype):
+        self.values, self.shape, self.dtype = values, torch.Size(shape), dtype
+
+    def tolist(self):
+        return _copied(self.values)
+
+    def item(self):
+        if self.shape.numel() != 1:
+            raise RuntimeError(f"a Tensor with {self.shape.numel()} elements cannot be converted to Scalar")
+        value = self.values
+        while isinstance(value, list):
+            value = value[0]
+        return value
+
+    def __getitem__(self, i):
+        if not self.shape:
+            raise IndexError("invalid index of a 0-dim tensor")
+        if not isinstance(i, int):
+            raise TypeError("IntValues: only integer indexing is modelled")
+        return IntValues(self.values[i], tuple(self.shape[1:]), self.dtype)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _copied(values):
+    return [_copied(v) for v in values] if isinstance(values, list) else values
+
+
+def _values_for_ints(value):
+    """``value`` (a tensor, or tuples / lists / dicts of them) with each integer CPU tensor of at most
+    :data:`INT_VALUES_MAX` elements replaced by its :class:`IntValues`; ``value`` itself where there is none."""
+    if isinstance(value, torch.Tensor):
+        if (value.device.type == "cpu" and not value.is_floating_point() and not value.is_complex()
+                and value.dtype != torch.bool and value.numel() <= INT_VALUES_MAX and not value.requires_grad):
+            return IntValues(value.tolist(), tuple(value.shape), value.dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_values_for_ints(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _values_for_ints(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    return value
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -90,11 +90,13 @@ def mini(name: str, cls: str, config: Mapping[str, Any], *, video: bool = False,
 
 
 def build(name: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-          device: torch.device | str = "cpu", production: bool = False) -> torch.nn.Module:
+          device: torch.device | str = "cpu", production: bool = False,
+          overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Mini model ``name`` with seeded random weights and ``from_pretrained(torch_dtype=dtype)``'s dtypes;
-    ``production``: at its released model's config instead of the tiny one."""
+    ``production``: at its released model's config instead of the tiny one; ``overrides``: config
+    entries replaced (``{"num_layers": 1}``: one block)."""
     spec = MINIS[name]
-    cfg = thaw(production_of(name).config if production else spec.config)
+    cfg = dict(thaw(production_of(name).config if production else spec.config), **(overrides or {}))
     return build_random(lambda: spec.transformer_cls(**cfg), seed=seed, dtype=dtype, device=device)
 
 

@@ -486,3 +486,21 @@ def _krea2(model, batch, g, dtype):
         position_ids=position_ids,
         encoder_attention_mask=mask,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# DiT (class-conditional, AdaLN-Zero BasicTransformerBlocks)
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("dit", "DiTTransformer2DModel", dict(
+    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, norm_num_groups=32,
+    sample_size=8, patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+    norm_type="ada_norm_zero", norm_elementwise_affine=False))
+def _dit(model, batch, g, dtype):
+    # DiTPipeline: 8x8 latents in the transformer dtype, integer timesteps and class labels
+    return dict(
+        hidden_states=randn(g, batch, model.config.in_channels, 8, 8, dtype=dtype),
+        timestep=torch.randint(0, 1000, (batch,), generator=g),
+        class_labels=torch.randint(0, 1000, (batch,), generator=g),
+    )

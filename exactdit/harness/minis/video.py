@@ -351,3 +351,100 @@ def _cosmos(model, batch, g, dtype):
     return kw
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Cosmos3 (Omni: packed text + vision sequence, understanding and generation pathways per layer)
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("cosmos3", "Cosmos3OmniTransformer", dict(
+    # diffusers' own test configuration (Nemotron RMSNorm, relu2 MLP, grouped-query attention)
+    head_dim=6, hidden_act="relu2", hidden_size=12, intermediate_size=24, latent_channel=2, latent_patch_size=1,
+    num_attention_heads=2, num_hidden_layers=2, num_key_value_heads=1, patch_latent_dim=2, qk_norm_for_text=False,
+    rms_norm_eps=1e-5, rope_axes_dim=(1, 1, 1), rope_theta=1e8, vocab_size=32), video=True)
+def _cosmos3(model, batch, g, dtype):
+    # one packed sequence (the model has no batch axis): two text tokens, then one vision token of one 1x1
+    # latent frame, as diffusers' tests pass it; a generation pathway of one token gives the attention
+    # and rotary operands the size-1 dims whose strides eager keeps (issue 35, item 15)
+    cfg = model.config
+    length = 3
+    vision = torch.arange(2, length)
+    return dict(
+        input_ids=torch.tensor([1, 2]), text_indexes=torch.tensor([0, 1]),
+        position_ids=torch.zeros((3, length), dtype=torch.long), und_len=2, sequence_length=length,
+        vision_tokens=[randn(g, 1, cfg.latent_channel, 1, 1, 1, dtype=dtype)], vision_token_shapes=[(1, 1, 1)],
+        vision_sequence_indexes=vision, vision_mse_loss_indexes=vision, vision_timesteps=torch.ones(1),
+        vision_noisy_frame_indexes=[torch.tensor([0])],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Wan-Animate-2 (in-context reference: the reference pass writes each block's K/V into a cache)
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("wan-animate-2", "WanAnimate2Transformer3DModel", dict(
+    # diffusers' own test configuration (its image embedding is 1280 wide: MLPProj hardcodes CLIP's width)
+    patch_size=(1, 2, 2), text_len=16, in_dim=16 + 20, dim=128, ffn_dim=256, freq_dim=64, text_dim=32, out_dim=16,
+    num_heads=4, num_layers=2, cross_attn_norm=True, use_img_emb=True), video=True)
+def _wan_animate_2(model, batch, g, dtype):
+    # WanAnimate2Pipeline's reference pass (kv_cache_mode="extract"), as diffusers' tests run it: per sample two
+    # latent frames of 4x4 with 20 conditioning channels, 8 text tokens of 32, 4 CLIP tokens; the blocks read
+    # the patch grid from a (1, 3) integer tensor with .tolist() (issue 35 item 18)
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    frames, size = 2, 4
+    return dict(
+        hidden_states=[randn(g, 16, frames, size, size, dtype=dtype) for _ in range(batch)],
+        timestep=torch.ones(batch, dtype=dtype),
+        encoder_hidden_states=[randn(g, 8, model.config.text_dim, dtype=dtype) for _ in range(batch)],
+        condition_latents=[randn(g, 20, frames, size, size, dtype=dtype) for _ in range(batch)],
+        encoder_hidden_states_image=randn(g, batch, 4, 1280, dtype=dtype),
+        kv_cache=WanAnimate2KVCache(model.config.num_layers), kv_cache_mode="extract",
+        seq_len=frames * (size // 2) ** 2, offset_grid_sizes=torch.tensor([[frames, size // 2, size // 2]]),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Latte (spatial and temporal BasicTransformerBlocks alternating), Allegro, TransformerTemporal
+# --------------------------------------------------------------------------------------------------
+
+
+@mini("latte", "LatteTransformer3DModel", dict(
+    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2, cross_attention_dim=32,
+    sample_size=8, patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+    norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=32,
+    video_length=FRAMES), video=True)
+def _latte(model, batch, g, dtype):
+    # LattePipeline: (B, C, F, H, W) latents, T5 embeds, a float timestep per row
+    cfg = model.config
+    return dict(
+        hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        timestep=timesteps(g, batch),
+        encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
+        enable_temporal_attentions=True,
+    )
+
+
+@mini("allegro", "AllegroTransformer3DModel", dict(
+    patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+    num_layers=2, cross_attention_dim=32, sample_height=HEIGHT, sample_width=WIDTH, sample_frames=FRAMES,
+    caption_channels=24), video=True)
+def _allegro(model, batch, g, dtype):
+    # AllegroPipeline: (B, C, F, H, W) latents, T5 embeds with their attention mask, a timestep per row
+    cfg = model.config
+    return dict(
+        hidden_states=randn(g, batch, cfg.in_channels, FRAMES, HEIGHT, WIDTH, dtype=dtype),
+        encoder_hidden_states=randn(g, batch, TEXT, cfg.caption_channels, dtype=dtype),
+        timestep=timesteps(g, batch),
+        encoder_attention_mask=text_mask(batch, dtype),
+    )
+
+
+@mini("transformer-temporal", "TransformerTemporalModel", dict(
+    num_attention_heads=2, attention_head_dim=16, in_channels=32, num_layers=2, norm_num_groups=32,
+    activation_fn="geglu"), video=True)
+def _transformer_temporal(model, batch, g, dtype):
+    # a UNet's temporal layer (text-to-video UNets): frames stacked in the batch, num_frames given
+    return dict(hidden_states=randn(g, batch * FRAMES, model.config.in_channels, 4, 4, dtype=dtype), num_frames=FRAMES)

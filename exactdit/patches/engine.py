@@ -124,9 +124,10 @@ class EngineCall:
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):
-        if _capture_inside_hooks(self):
-            return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
-        return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
+        with _cast_for_the_block(self.module):
+            if _capture_inside_hooks(self):
+                return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
+            return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
         """``compiled(...)`` (one graph); where Dynamo cannot capture the block whole, ``parts(...)``
@@ -273,6 +274,50 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
         return False
     setattr(first, attr, InnerCall(call, inner))
     return True
+
+
+def _layerwise_casting_leaves(module: torch.nn.Module) -> list:
+    """(layer, hook) of the layers in ``module`` whose only diffusers hook is layerwise casting
+    (``enable_layerwise_casting``), with the layer's own class forward inside it."""
+    found = []
+    for m in module.modules():
+        registry = m.__dict__.get("_diffusers_hook")
+        if registry is None or "forward" not in m.__dict__ or list(registry.hooks) != ["layerwise_casting"]:
+            continue
+        hook, refs = registry.hooks["layerwise_casting"], registry._fn_refs
+        if type(hook).__name__ != "LayerwiseCastingHook" or len(refs) != 1:
+            continue
+        inner = refs[0].forward
+        if getattr(inner, "__func__", None) is type(m).forward and getattr(inner, "__self__", None) is m:
+            found.append((m, hook))
+    return found
+
+
+class _cast_for_the_block:
+    """Layerwise casting hoisted to the block: diffusers' ``LayerwiseCastingHook`` casts a layer's
+    weights to the compute dtype before the layer's forward and back to the storage dtype after it
+    (``module.to``, which Dynamo cannot trace: each such layer would break the block's graph).
+    Here the same hook casts every such layer of the block before the block's call and back after
+    it, and the layers run their own forwards in between (hooks set aside): each layer's forward
+    sees the weights it sees under its hook (the storage -> compute cast is exact and the way back
+    gives the stored bits again), so the block is captured whole. Costs one block's weights in the
+    compute dtype while the block runs, instead of one layer's."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.leaves = _layerwise_casting_leaves(module)
+        self.forwards: list = []
+
+    def __enter__(self):
+        for layer, hook in self.leaves:
+            self.forwards.append(layer.__dict__.pop("forward"))
+            hook.pre_forward(layer)
+        return self
+
+    def __exit__(self, *exc):
+        for (layer, hook), forward in zip(self.leaves, self.forwards):
+            hook.post_forward(layer, None)
+            layer.forward = forward
+        return False
 
 
 def _remove_inner_calls(module: torch.nn.Module) -> None:

@@ -13,6 +13,11 @@ SeaCache) keeps them as they are: its hooks run eagerly around it (their ``torch
 decisions included) and the block's own forward, innermost in the hook chain, runs the captured
 graph (:class:`InnerCall`).
 
+Layerwise casting (``enable_layerwise_casting``: a hook per layer that casts its weights with
+``module.to``) and GGUF weights (which Dynamo does not unwrap as eager does) are cast and
+dequantized for the whole block around its call (:class:`_cast_for_the_block`), so such blocks
+are captured whole.
+
 A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, hooks
 on its layers such as leaf-level offloading or TaylorSeer) is captured in parts: Dynamo's graphs
 between the breaks go through the engine, the code at the breaks runs as Python; the reason is
@@ -294,7 +299,7 @@ def _layerwise_casting_leaves(module: torch.nn.Module) -> list:
 
 
 class _cast_for_the_block:
-    """Layerwise casting hoisted to the block: diffusers' ``LayerwiseCastingHook`` casts a layer's
+    """Layerwise casting and GGUF dequantization (:func:`_gguf_layers`) hoisted to the block: diffusers' ``LayerwiseCastingHook`` casts a layer's
     weights to the compute dtype before the layer's forward and back to the storage dtype after it
     (``module.to``, which Dynamo cannot trace: each such layer would break the block's graph).
     Here the same hook casts every such layer of the block before the block's call and back after
@@ -305,19 +310,47 @@ class _cast_for_the_block:
 
     def __init__(self, module: torch.nn.Module):
         self.leaves = _layerwise_casting_leaves(module)
+        self.gguf = _gguf_layers(module)
         self.forwards: list = []
+        self.weights: list = []
 
     def __enter__(self):
         for layer, hook in self.leaves:
             self.forwards.append(layer.__dict__.pop("forward"))
             hook.pre_forward(layer)
+        if self.gguf:
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            for layer in self.gguf:
+                weight = layer._parameters["weight"]
+                self.weights.append(weight)
+                layer._parameters["weight"] = torch.nn.Parameter(
+                    dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
         return self
 
     def __exit__(self, *exc):
         for (layer, hook), forward in zip(self.leaves, self.forwards):
             hook.post_forward(layer, None)
             layer.forward = forward
+        for layer, weight in zip(self.gguf, self.weights):
+            layer._parameters["weight"] = weight
         return False
+
+
+def _gguf_layers(module: torch.nn.Module) -> list:
+    """The layers of ``module`` that hold a GGUF-quantized weight (diffusers' ``GGUFLinear``) and
+    dequantize it in their forward (``forward_native``: no GGUF CUDA kernels loaded). Their weights
+    are dequantized before the block's call, as each forward would (``dequantize_gguf_tensor``, then
+    the compute dtype), and given back after: Dynamo does not follow ``GGUFParameter``'s unwrapping
+    (``as_tensor``), so traced, the subclass spreads to the activations and the block fails."""
+    found = [m for m in module.modules()
+             if type(m).__name__ == "GGUFLinear" and hasattr(m._parameters.get("weight"), "quant_type")]
+    if found:
+        import diffusers.quantizers.gguf.utils as gguf_utils
+
+        if getattr(gguf_utils, "ops", None) is not None:  # forward_cuda reads the quantized weight: left as is
+            return []
+    return found
 
 
 def _remove_inner_calls(module: torch.nn.Module) -> None:

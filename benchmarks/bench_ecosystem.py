@@ -290,6 +290,11 @@ def capture_summary(tr) -> dict:
             "unfused": dict(sorted(unfused.items(), key=lambda kv: -kv[1])[:12])}
 
 
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
 def build(args):
     from exactdit.harness import models
 
@@ -333,13 +338,22 @@ def run_config(name: str, args) -> dict:
         if args.compile:
             torch._dynamo.reset()
             try:
-                compile_regions(tr)
-                row["compile_first_call_s"] = first_call_s(tr, kw)
+                try:
+                    compile_regions(tr)
+                    row["compile_first_call_s"] = first_call_s(tr, kw)
+                    row["compile_fullgraph"] = True
+                except Exception as e:  # noqa: BLE001 - hooks Dynamo cannot trace: as users would, with breaks
+                    row["compile_fullgraph"] = f"{type(e).__name__}: {_first_line(e)}"
+                    for m in tr.modules():
+                        m._compiled_call_impl = None
+                    torch._dynamo.reset()
+                    tr.compile_repeated_blocks(fullgraph=False)
+                    row["compile_first_call_s"] = first_call_s(tr, kw)
                 row["compile_ms"], cout = forward_ms(tr, kw, args.repeat)
                 row["compile_equal"] = outputs_equal(cout, ref)
                 print(f"[{name}] regional compile {row['compile_ms']:.2f} ms", flush=True)
             except Exception as e:  # noqa: BLE001 - fullgraph compile may refuse hooks: a row, not a crash
-                row["compile_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                row["compile_error"] = f"{type(e).__name__}: {_first_line(e)}"
                 print(f"[{name}] regional compile failed: {row['compile_error']}", flush=True)
         row["status"] = "ok"
     except Skip as e:
@@ -402,7 +416,8 @@ def main() -> None:
         if "compile_ms" in r:
             results.append(dict(base, path="regional torch.compile", ms=r["compile_ms"],
                                 ratio=r["eager_ms"] / r["compile_ms"], ratio_kind="eager_ms/ms",
-                                equal=r["compile_equal"], first_call_s=r["compile_first_call_s"]))
+                                equal=r["compile_equal"], first_call_s=r["compile_first_call_s"],
+                                fullgraph=r["compile_fullgraph"]))
         elif "compile_error" in r:
             results.append(dict(base, path="regional torch.compile", ms=None, ratio=None, ratio_kind=None,
                                 equal=None, status="error", reason=r["compile_error"]))
@@ -417,6 +432,8 @@ def main() -> None:
             continue
         top = "; ".join(f"{k} x{v}" for k, v in list(r["unfused"].items())[:3]) or "-"
         comp = f"{r['compile_ms']:.1f}" if "compile_ms" in r else r.get("compile_error", "-")[:60]
+        if "compile_ms" in r and r.get("compile_fullgraph") is not True:
+            comp += " (graph breaks)"
         print(f"| {r['config']} | {r['eager_ms']:.1f} | {r['exactdit_ms']:.1f} | {r['eager_ms'] / r['exactdit_ms']:.2f} "
               f"| {comp} | {r['equal']} | {r['capture']} | {r['fused_share']:.0%} | {top} |")
 

@@ -169,7 +169,8 @@ for stage in "$@"; do
       esac
       configs=${ECO_CONFIGS:-$(python3 benchmarks/bench_ecosystem.py --list 2>/dev/null | awk '{print $1}')}
       for c in $configs; do
-        timeout ${ECO_TIMEOUT_S:-240} python3 benchmarks/bench_ecosystem.py $geometry --config full --repeat 5 \
+        t=${ECO_TIMEOUT_S:-240}; case "$c" in gguf*) t=${ECO_GGUF_TIMEOUT_S:-540} ;; esac  # quantizes on the CPU
+        timeout $t python3 benchmarks/bench_ecosystem.py $geometry --config full --repeat 5 \
           --configs "$c" 2>&1 | grep -v Warn | tee -a "$OUT/ecosystem_${ECO_MODEL:-flux}.log" | \
           grep -E "^\||^\[" | tail -8
       done ;;

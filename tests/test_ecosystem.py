@@ -178,7 +178,9 @@ def test_fp8_layerwise_casting(name):
     cast = [(n, p) for n, p in tr.named_parameters() if p.dtype == torch.float8_e4m3fn]
     assert cast
     stored = {n: p.detach().clone() for n, p in cast}
+    hooked = [m for m in tr.modules() if "_diffusers_hook" in m.__dict__ and "forward" in m.__dict__]
     _check(tr, kw)
+    assert all("forward" in m.__dict__ for m in hooked)  # the hooks are back on their layers
     for n, p in tr.named_parameters():
         if n in stored:
             assert p.dtype == torch.float8_e4m3fn and torch.equal(p.view(torch.uint8), stored[n].view(torch.uint8)), n

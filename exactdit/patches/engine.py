@@ -281,21 +281,27 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
     return True
 
 
-def _layerwise_casting_leaves(module: torch.nn.Module) -> list:
-    """(layer, hook) of the layers in ``module`` whose only diffusers hook is layerwise casting
-    (``enable_layerwise_casting``), with the layer's own class forward inside it."""
-    found = []
-    for m in module.modules():
-        registry = m.__dict__.get("_diffusers_hook")
-        if registry is None or "forward" not in m.__dict__ or list(registry.hooks) != ["layerwise_casting"]:
-            continue
-        hook, refs = registry.hooks["layerwise_casting"], registry._fn_refs
-        if type(hook).__name__ != "LayerwiseCastingHook" or len(refs) != 1:
-            continue
-        inner = refs[0].forward
-        if getattr(inner, "__func__", None) is type(m).forward and getattr(inner, "__self__", None) is m:
-            found.append((m, hook))
-    return found
+def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
+    """((layer, hook) of the layers in ``module`` whose only diffusers hook is layerwise casting
+    (``enable_layerwise_casting``), with the layer's own class forward inside it; the layers that
+    hold GGUF weights, :func:`_gguf_layers`). One walk of the module tree by its ``_modules``
+    (``modules()`` costs ten times more; this runs on every call of every block)."""
+    casting, gguf = [], []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        stack.extend(m._modules.values())
+        d = m.__dict__
+        if "_diffusers_hook" in d:
+            registry = d["_diffusers_hook"]
+            if "forward" in d and list(registry.hooks) == ["layerwise_casting"] and len(registry._fn_refs) == 1:
+                hook, inner = registry.hooks["layerwise_casting"], registry._fn_refs[0].forward
+                if (type(hook).__name__ == "LayerwiseCastingHook" and getattr(inner, "__self__", None) is m
+                        and getattr(inner, "__func__", None) is type(m).forward):
+                    casting.append((m, hook))
+        elif type(m).__name__ == "GGUFLinear" and hasattr(d["_parameters"].get("weight"), "quant_type"):
+            gguf.append(m)
+    return casting, _gguf_layers(gguf)
 
 
 class _cast_for_the_block:
@@ -309,8 +315,7 @@ class _cast_for_the_block:
     compute dtype while the block runs, instead of one layer's."""
 
     def __init__(self, module: torch.nn.Module):
-        self.leaves = _layerwise_casting_leaves(module)
-        self.gguf = _gguf_layers(module)
+        self.leaves, self.gguf = _hoisted_layers(module)
         self.forwards: list = []
         self.weights: list = []
 
@@ -337,14 +342,12 @@ class _cast_for_the_block:
         return False
 
 
-def _gguf_layers(module: torch.nn.Module) -> list:
-    """The layers of ``module`` that hold a GGUF-quantized weight (diffusers' ``GGUFLinear``) and
+def _gguf_layers(found: list) -> list:
+    """Of ``found``, diffusers' ``GGUFLinear`` layers with a GGUF-quantized weight, those that
     dequantize it in their forward (``forward_native``: no GGUF CUDA kernels loaded). Their weights
     are dequantized before the block's call, as each forward would (``dequantize_gguf_tensor``, then
     the compute dtype), and given back after: Dynamo does not follow ``GGUFParameter``'s unwrapping
     (``as_tensor``), so traced, the subclass spreads to the activations and the block fails."""
-    found = [m for m in module.modules()
-             if type(m).__name__ == "GGUFLinear" and hasattr(m._parameters.get("weight"), "quant_type")]
     if found:
         import diffusers.quantizers.gguf.utils as gguf_utils
 

@@ -44,7 +44,13 @@
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
 #   cp-one-gpu       when two GPUs are not lent: the same models under Ulysses 2 and ring 2 with both ranks on one
 #                    GPU over gloo (context_parallel_equality.py): equality only, every kernel on its rank's shard shapes
-# diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md).
+# What users combine the model with (issue 34; bench_ecosystem.py, one process per configuration):
+#   ecosystem        ECO_MODEL=flux (1024^2, default) or wan (480x832x33); ECO_CONFIGS="lora fp8-cast ..." picks
+#                    configurations (default: all; bench_ecosystem.py --list names them). Each: equal to the same
+#                    configuration unpatched, eager vs exactdit vs regional compile, capture whole / in parts / eager.
+#                    The full list takes longer than one 10-minute call: split it with ECO_CONFIGS.
+# diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md); for ecosystem also torchao
+# 0.17.0 and gguf 0.19.0 (the pip download commands are in BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 EXACTDIT_CACHE=${EXACTDIT_CACHE:-/tmp/exactdit-cache}
@@ -174,6 +180,18 @@ for stage in "$@"; do
                   "--model wan --height 480 --width 832 --frames 33"; do
         timeout 300 torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --backend gloo --config full \
           --modes ulysses ring $args 2>&1 | grep -E "^\||exitcode" | tee -a "$OUT/context_parallel_equality.log"
+      done ;;
+    ecosystem)
+      case "${ECO_MODEL:-flux}" in
+        wan) geometry="--model wan --height 480 --width 832 --frames 33" ;;
+        *) geometry="--model flux --height 1024 --width 1024" ;;
+      esac
+      configs=${ECO_CONFIGS:-$(python3 benchmarks/bench_ecosystem.py --list 2>/dev/null | awk '{print $1}')}
+      for c in $configs; do
+        t=${ECO_TIMEOUT_S:-240}; case "$c" in gguf*) t=${ECO_GGUF_TIMEOUT_S:-540} ;; esac  # quantizes on the CPU
+        timeout $t python3 benchmarks/bench_ecosystem.py $geometry --config full --repeat 5 \
+          --configs "$c" 2>&1 | grep -v Warn | tee -a "$OUT/ecosystem_${ECO_MODEL:-flux}.log" | \
+          grep -E "^\||^\[" | tail -8
       done ;;
     ncu)
       timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \

@@ -19,6 +19,11 @@ A block that computes shapes from a small integer CPU tensor's values (WanAnimat
 ``grid_sizes.tolist()``), which Dynamo cannot capture whole ("data-dependent expression"), is
 handed those values as guarded constants (:class:`IntValues`) and captured whole.
 
+Layerwise casting (``enable_layerwise_casting``: a hook per layer that casts its weights with
+``module.to``) and GGUF weights (which Dynamo does not unwrap as eager does) are cast and
+dequantized for the whole block around its call (:class:`_cast_for_the_block`), so such blocks
+are captured whole.
+
 A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, hooks
 on its layers such as leaf-level offloading or TaylorSeer) is captured in parts: Dynamo's graphs
 between the breaks go through the engine, the code at the breaks runs as Python; the reason is
@@ -137,9 +142,10 @@ class EngineCall:
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):
-        if _capture_inside_hooks(self):
-            return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
-        return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
+        with _cast_for_the_block(self.module):
+            if _capture_inside_hooks(self):
+                return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
+            return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
         runner = getattr(block_calls, "runner", None)
@@ -374,6 +380,81 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
         return False
     setattr(first, attr, InnerCall(call, inner))
     return True
+
+
+def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
+    """((layer, hook) of the layers in ``module`` whose only diffusers hook is layerwise casting
+    (``enable_layerwise_casting``), with the layer's own class forward inside it; the layers that
+    hold GGUF weights, :func:`_gguf_layers`). One walk of the module tree by its ``_modules``
+    (``modules()`` costs ten times more; this runs on every call of every block)."""
+    casting, gguf = [], []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        stack.extend(m._modules.values())
+        d = m.__dict__
+        if "_diffusers_hook" in d:
+            registry = d["_diffusers_hook"]
+            if "forward" in d and list(registry.hooks) == ["layerwise_casting"] and len(registry._fn_refs) == 1:
+                hook, inner = registry.hooks["layerwise_casting"], registry._fn_refs[0].forward
+                if (type(hook).__name__ == "LayerwiseCastingHook" and getattr(inner, "__self__", None) is m
+                        and getattr(inner, "__func__", None) is type(m).forward):
+                    casting.append((m, hook))
+        elif type(m).__name__ == "GGUFLinear" and hasattr(d["_parameters"].get("weight"), "quant_type"):
+            gguf.append(m)
+    return casting, _gguf_layers(gguf)
+
+
+class _cast_for_the_block:
+    """Layerwise casting and GGUF dequantization (:func:`_gguf_layers`) hoisted to the block: diffusers' ``LayerwiseCastingHook`` casts a layer's
+    weights to the compute dtype before the layer's forward and back to the storage dtype after it
+    (``module.to``, which Dynamo cannot trace: each such layer would break the block's graph).
+    Here the same hook casts every such layer of the block before the block's call and back after
+    it, and the layers run their own forwards in between (hooks set aside): each layer's forward
+    sees the weights it sees under its hook (the storage -> compute cast is exact and the way back
+    gives the stored bits again), so the block is captured whole. Costs one block's weights in the
+    compute dtype while the block runs, instead of one layer's."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.leaves, self.gguf = _hoisted_layers(module)
+        self.forwards: list = []
+        self.weights: list = []
+
+    def __enter__(self):
+        for layer, hook in self.leaves:
+            self.forwards.append(layer.__dict__.pop("forward"))
+            hook.pre_forward(layer)
+        if self.gguf:
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            for layer in self.gguf:
+                weight = layer._parameters["weight"]
+                self.weights.append(weight)
+                layer._parameters["weight"] = torch.nn.Parameter(
+                    dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
+        return self
+
+    def __exit__(self, *exc):
+        for (layer, hook), forward in zip(self.leaves, self.forwards):
+            hook.post_forward(layer, None)
+            layer.forward = forward
+        for layer, weight in zip(self.gguf, self.weights):
+            layer._parameters["weight"] = weight
+        return False
+
+
+def _gguf_layers(found: list) -> list:
+    """Of ``found``, diffusers' ``GGUFLinear`` layers with a GGUF-quantized weight, those that
+    dequantize it in their forward (``forward_native``: no GGUF CUDA kernels loaded). Their weights
+    are dequantized before the block's call, as each forward would (``dequantize_gguf_tensor``, then
+    the compute dtype), and given back after: Dynamo does not follow ``GGUFParameter``'s unwrapping
+    (``as_tensor``), so traced, the subclass spreads to the activations and the block fails."""
+    if found:
+        import diffusers.quantizers.gguf.utils as gguf_utils
+
+        if getattr(gguf_utils, "ops", None) is not None:  # forward_cuda reads the quantized weight: left as is
+            return []
+    return found
 
 
 def _remove_inner_calls(module: torch.nn.Module) -> None:

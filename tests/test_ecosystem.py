@@ -1,0 +1,239 @@
+"""exactdit with what diffusers users combine a transformer with (issue 34, the CPU side): peft
+LoRA (one adapter, two with ``set_adapters`` weights, fused, hot-swapped), fp8 layerwise casting,
+torchao int8 weight-only quantization, GGUF. Each: the patched model gives the bits of the same
+configuration unpatched, and its blocks are captured whole (one graph per block class, its
+regions run through the gate), so a regression to "captured in parts" or "runs diffusers' code"
+fails here. Tiny Flux and Wan in bf16; the regions run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+import exactdit
+from exactdit.engine import coverage
+from exactdit.harness import models
+from exactdit.patches import engine
+from tests.engine_helpers import engine_eager_reasons
+from tests.helpers import assert_bits_equal
+
+MODELS = ("flux", "wan")
+#: the attention and MLP projections a LoRA of Flux or Wan targets
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+                "ffn.net.0.proj", "ffn.net.2")
+
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed (exactdit[lora])")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao not installed (exactdit[quant])")
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed (exactdit[quant])")
+
+
+def _build(name: str):
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=3)
+    extra = {"num_frames": 5} if name == "wan" else {}
+    return tr, models.forward_inputs(name, tr, batch=1, height=32, width=32, seed=4, **extra)
+
+
+def _in_blocks(name: str) -> bool:
+    return name.startswith(("transformer_blocks.", "single_transformer_blocks.", "blocks."))
+
+
+def _lora_state_dict(tr, seed: int, rank: int = 4) -> dict:
+    """A random LoRA (A and B both nonzero) on every attention and MLP projection of the blocks,
+    in the format ``load_lora_adapter(..., prefix=None)`` reads."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for n, m in tr.named_modules():
+        n = n.removesuffix(".base_layer")  # a layer with an adapter already: peft's wrapper holds it
+        if isinstance(m, torch.nn.Linear) and ".lora_" not in n and _in_blocks(n) and n.endswith(LORA_TARGETS):
+            sd[f"{n}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g) * 0.1).to(torch.bfloat16)
+            sd[f"{n}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g) * 0.1).to(torch.bfloat16)
+    assert sd
+    return sd
+
+
+def _run(tr, kw, calls: int = 2) -> tuple[torch.Tensor, list]:
+    """The unpatched output, and ``calls`` patched outputs (patched left on)."""
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs = [tr(**kw, return_dict=False)[0] for _ in range(calls)]
+    return ref, outs
+
+
+def _block_labels(tr) -> set:
+    return {f"{type(tr).__name__}.{cls}" for cls in engine.repeated_blocks(tr)}
+
+
+def _assert_captured_whole(tr, calls: int) -> None:
+    """Every block class captured as one graph, run on every call of every block, with fused
+    regions in it; nothing in parts, nothing run as diffusers' code."""
+    assert engine_eager_reasons() == {}
+    assert coverage.in_parts() == {}
+    blocks = {}
+    for cls, _ in engine.targets(tr):
+        label = f"{type(tr).__name__}.{cls}"
+        blocks[label] = blocks.get(label, 0) + 1
+    for label in _block_labels(tr):
+        state = engine._states[label]
+        assert (state.graphs, state.runs) == (1, calls * blocks[label]), (label, state.graphs, state.runs)
+    rep = exactdit.report(show=False)
+    for label in _block_labels(tr):
+        regions = {k: v for k, v in rep.items() if k.startswith(label + "#")}
+        assert regions and any(v["fused"] for v in regions.values()), (label, sorted(rep))
+        assert not any(v["disabled"] for v in regions.values()), regions
+
+
+def _check(tr, kw, calls: int = 2) -> None:
+    ref, outs = _run(tr, kw, calls)
+    try:
+        for out in outs:
+            assert_bits_equal(out, ref)
+        _assert_captured_whole(tr, calls)
+    finally:
+        exactdit.unpatch(tr)
+
+
+def _lora_modules(tr) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in tr.modules() if isinstance(m, LoraLayer)]
+
+
+@needs_peft
+@pytest.mark.parametrize("name", MODELS)
+def test_one_lora_adapter_unfused(name):
+    tr, kw = _build(name)
+    tr.load_lora_adapter(_lora_state_dict(tr, 1), adapter_name="a", prefix=None)
+    assert _lora_modules(tr)
+    _check(tr, kw)
+    # peft's layers are traced into the block graphs: each LoRA layer's two GEMMs are among their ATen ops
+    firsts = {}
+    for cls, block in engine.targets(tr):
+        firsts.setdefault(cls, block)
+    lora_layers = sum(len(_lora_modules(b)) for cls, b in firsts.items() if cls in engine.repeated_blocks(tr))
+    graphs = [g for g in coverage.graphs() if any(g.name.startswith(lb + "#") for lb in _block_labels(tr))]
+    assert lora_layers and sum(g.left.get("mm", 0) for g in graphs) >= 2 * lora_layers, [g.left for g in graphs]
+
+
+@needs_peft
+@pytest.mark.parametrize("name", MODELS)
+def test_two_lora_adapters_with_weights(name):
+    tr, kw = _build(name)
+    tr.load_lora_adapter(_lora_state_dict(tr, 1), adapter_name="a", prefix=None)
+    tr.load_lora_adapter(_lora_state_dict(tr, 2), adapter_name="b", prefix=None)
+    tr.set_adapters(["a", "b"], weights=[0.7, 0.4])
+    _check(tr, kw)
+
+
+@needs_peft
+@pytest.mark.parametrize("name", MODELS)
+def test_fused_lora(name):
+    tr, kw = _build(name)
+    tr.load_lora_adapter(_lora_state_dict(tr, 1), adapter_name="a", prefix=None)
+    tr.fuse_lora(lora_scale=0.8)
+    _check(tr, kw)
+
+
+@needs_peft
+@pytest.mark.parametrize("name", MODELS)
+def test_lora_hotswap_does_not_capture_again(name):
+    """``enable_lora_hotswap`` then ``load_lora_adapter(..., hotswap=True)``: the new adapter's
+    weights are copied into the tensors the graph reads (its scales are tensors too), so the
+    patched model gives the new adapter's bits with the graphs it captured for the first."""
+    tr, kw = _build(name)
+    tr.enable_lora_hotswap(target_rank=8)
+    tr.load_lora_adapter(_lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+    ref_a, outs = _run(tr, kw, calls=1)
+    try:
+        assert_bits_equal(outs[0], ref_a)
+        _assert_captured_whole(tr, calls=1)
+        tr.load_lora_adapter(_lora_state_dict(tr, 2, rank=8), adapter_name="a", prefix=None, hotswap=True)
+        with torch.no_grad():
+            out_b = tr(**kw, return_dict=False)[0]
+        _assert_captured_whole(tr, calls=2)  # still one graph per class: nothing captured again
+    finally:
+        exactdit.unpatch(tr)
+    with torch.no_grad():
+        ref_b = tr(**kw, return_dict=False)[0]
+    assert not torch.equal(ref_a, ref_b)
+    assert_bits_equal(out_b, ref_b)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_layerwise_casting(name):
+    """The casting hooks are hoisted to the block (captured whole, not in parts at each layer);
+    the stored fp8 weights keep their bits."""
+    tr, kw = _build(name)
+    tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    cast = [(n, p) for n, p in tr.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert cast
+    stored = {n: p.detach().clone() for n, p in cast}
+    hooked = [m for m in tr.modules() if "_diffusers_hook" in m.__dict__ and "forward" in m.__dict__]
+    _check(tr, kw)
+    assert all("forward" in m.__dict__ for m in hooked)  # the hooks are back on their layers
+    for n, p in tr.named_parameters():
+        if n in stored:
+            assert p.dtype == torch.float8_e4m3fn and torch.equal(p.view(torch.uint8), stored[n].view(torch.uint8)), n
+
+
+@needs_torchao
+@pytest.mark.parametrize("name", MODELS)
+def test_torchao_int8_weight_only(name):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    tr, kw = _build(name)
+    quantize_(tr, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and _in_blocks(n))
+    quantized = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and _in_blocks(n)
+                 and type(m.weight).__name__ != "Parameter"]
+    assert quantized
+    _check(tr, kw)
+
+
+def _gguf_transformer(name: str, tr):
+    """``tr``'s weights written to a GGUF file (the blocks' linear weights Q8_0, the rest F32) and
+    loaded back through diffusers' GGUF path (``from_single_file`` + ``GGUFQuantizationConfig``)."""
+    import gguf
+    import numpy as np
+    from diffusers import GGUFQuantizationConfig
+
+    folder = tempfile.mkdtemp(prefix="exactdit-gguf-")
+    tr.save_config(folder)
+    path = os.path.join(folder, "transformer.gguf")
+    writer = gguf.GGUFWriter(path, arch=name)
+    for key, p in tr.state_dict().items():
+        a = p.float().numpy()
+        if p.ndim == 2 and _in_blocks(key) and a.shape[-1] % 32 == 0:
+            writer.add_tensor(key, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(key, a.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return type(tr).from_single_file(path, config=folder, torch_dtype=torch.bfloat16, local_files_only=True,
+                                     quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+
+
+@needs_gguf
+@pytest.mark.parametrize("name", MODELS)
+def test_gguf_q8_0(name):
+    """The GGUF weights are dequantized before each block's call (as each layer's forward would):
+    traced, diffusers' GGUFParameter spread to the activations and the blocks failed."""
+    tr, kw = _build(name)
+    tr = _gguf_transformer(name, tr)
+    quantized = {n: p for n, p in tr.named_parameters() if type(p).__name__ == "GGUFParameter"}
+    assert quantized
+    _check(tr, kw)
+    assert all(p is dict(tr.named_parameters())[n] for n, p in quantized.items())  # given back after each call

@@ -1,7 +1,7 @@
 """One transformer forward through the engine against eager, the same run: equality and time.
 
     python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
-        [--mirror] [--compile] [--cuda-graphs] [--repeat 10]
+        [--compile] [--cuda-graphs] [--repeat 10]
     python3 benchmarks/bench_engine.py --mini sd3 --compile    # a mini's released model (SD3.5 Large) at 1024x1024
 
 Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``,
@@ -9,7 +9,7 @@ or ``--mini``: a class of ``exactdit.harness.minis`` at its released model's con
 on the GPU, times eager (CUDA-event median of ``--repeat`` forwards after warm-up), then
 ``exactdit.patch`` (first call = capture + kernel compilation, wall clock), checks the output with
 ``torch.equal`` against eager and times it the same way. ``--cuda-graphs``: also
-``exactdit.patch(cuda_graphs=True)``. ``--mirror``: also ERNIE-Image's hand-written patch.
+``exactdit.patch(cuda_graphs=True)``.
 ``--compile``: also diffusers' regional torch.compile (Inductor; not exact).
 Prints a table and writes ``bench_engine_<model>.json`` (results rows, coverage) to ``$OUT``.
 """
@@ -73,7 +73,7 @@ def breakdown(forward) -> dict:
     """Kernel time of one forward by kind (GEMM, attention, the engine's regions, other ATen),
     idle gaps between kernels, and the median SM clock and board power while forwards run back to
     back: where the floor of the forward lies."""
-    from benchmarks.profile_ernie import clocks_while, profile_once
+    from benchmarks.profiling import clocks_while, profile_once
 
     with torch.no_grad():
         prof = profile_once(forward)
@@ -97,7 +97,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--mirror", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--cuda-graphs", action="store_true", help="also exactdit.patch(cuda_graphs=True)")
     ap.add_argument("--breakdown", action="store_true", help="kernel time by kind, idle gaps, SM clock, power")
@@ -154,13 +153,6 @@ def main() -> None:
             rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
         exactdit.unpatch(tr)
 
-    if args.mirror:
-        exactdit.patch(tr, mirror=True)
-        first = first_call_s(tr, kw)
-        ms, out = forward_ms(tr, kw, args.repeat)
-        rows.append(dict(path="mirror", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
-        print(f"mirror {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
-        exactdit.unpatch(tr)
     if args.compile:
         torch._dynamo.reset()
         compile_regions(tr)

@@ -74,6 +74,7 @@ flushing (none expected: ATen is built without fast-math).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = [
@@ -292,6 +293,20 @@ def mean_lastdim_launches(
     ]
 
 
+@functools.lru_cache(maxsize=1024)
+def one_block_config(M: int, D: int) -> "ReduceConfig | str":
+    """The configuration of ``x.mean(-1)`` over ``[M, D]`` when ATen reduces each row inside one
+    block in one launch (what the fused kernels reproduce), else why not."""
+    launches = mean_lastdim_launches(M, D)
+    if len(launches) != 1:
+        return "rows split for 32-bit indexing (M * D too large)"
+    cfg = launches[0][2]
+    if cfg.ctas_per_output != 1:
+        return "row split across blocks"
+    return cfg
+
+
+@functools.lru_cache(maxsize=1024)
 def mean_factor(M: int, D: int) -> float:
     """The fp32 scale ATen multiplies by: fl32(fl32(M) / fl32(M*D)) as a Python float."""
     import struct

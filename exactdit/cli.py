@@ -181,10 +181,10 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
 
 @main.command()
 def selfcheck() -> None:
-    """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""
-    from exactdit.selfcheck import main as run_selfcheck
+    """Tiny models patched against eager diffusers, bit for bit, with the report; exit 1 on a difference."""
+    from exactdit.harness.selfcheck import main as run_selfcheck
 
-    sys.exit(run_selfcheck())
+    sys.exit(run_selfcheck(echo=click.echo))
 
 
 @main.command()

@@ -151,6 +151,11 @@ def _any_switch() -> bool:
     return any(_flag(name) for name in _SWITCHES)
 
 
+#: the NaN pattern poisoned outputs are pre-filled with, written through an integer view
+POISON = {torch.bfloat16: 0x7FA5, torch.float16: 0x7DA5, torch.float32: 0x7FA5A5A5}
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
 def poison_outputs() -> bool:
     """Whether launchers must pre-fill outputs with a NaN pattern (tests, verification)."""
     return _flag("EXACTDIT_POISON") or getattr(_local, "verifying", False)

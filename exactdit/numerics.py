@@ -27,7 +27,6 @@ does the same.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import triton
@@ -42,43 +41,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: functions (erf, exp, ...) flush denormals by default, which ATen (built without fast-math)
 #: does not: on an H200 Triton's default erf differed from torch.erf in 6.5% of 2.1M inputs.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_libdevice() -> str | None:
-    """The CUDA toolkit's libdevice for the CUDA version torch was built with, or None.
-
-    ATen's math functions (``erff`` in GELU) come from the libdevice of the CUDA toolkit that
-    built torch. Triton links its own bundled libdevice, whose ``erf`` differed from ATen's in
-    95,498 of 1M fp32 inputs on an H200 (torch 2.11+cu130, Triton 3.6), while the toolkit's
-    CUDA 13.0 libdevice matched every input (``benchmarks/probe_erf.py``). Kernels that call
-    libdevice functions link this one (``extern_libs``) and run eager when it is missing.
-    """
-    import torch
-
-    version = torch.version.cuda
-    if not version:
-        return None
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), f"/usr/local/cuda-{version}", "/usr/local/cuda"]
-    for root in filter(None, roots):
-        real = os.path.realpath(root)
-        same_version = os.path.basename(real) == f"cuda-{version}" or _toolkit_version(real) == version
-        path = os.path.join(real, "nvvm", "libdevice", "libdevice.10.bc")
-        if same_version and os.path.isfile(path):
-            return path
-    return None
-
-
-def _toolkit_version(root: str) -> str | None:
-    """major.minor of a CUDA toolkit folder, from its version.json."""
-    import json
-
-    try:
-        with open(os.path.join(root, "version.json")) as f:
-            full = json.load(f)["cuda"]["version"]
-    except (OSError, KeyError, ValueError):
-        return None
-    return ".".join(full.split(".")[:2])
 
 
 @triton.jit
@@ -127,23 +89,10 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def rounded(x, DTYPE: tl.constexpr):
-    """``round_to(x, DTYPE)`` widened back to fp32: the value an eager op of dtype DTYPE hands
-    to the next op of a chain."""
-    return round_to(x, DTYPE).to(tl.float32)
-
-
-@triton.jit
 def widen_bf16(x):
     """bf16 -> fp32 (exact) by moving the bits. The interpreter's own conversion gets subnormal
     bf16 values wrong (triton 3.9); on the GPU this is the same shift the conversion compiles to."""
     return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def as_fp32(value):
-    """A scalar kernel argument as an fp32 value, whatever type it arrived as."""
-    return tl.full((), value, tl.float32)
 
 
 if INTERPRET:

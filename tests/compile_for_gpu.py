@@ -1,12 +1,12 @@
-"""Compile the kernel variants exactdit's ops launch for a real GPU target, on a machine without
+"""Compile the kernels exactdit's engine generates for a real GPU target, on a machine without
 a GPU (Triton's compiler and ptxas need no device), and report what the PTX contains.
 
 Triton's interpreter, which the CPU tests use, executes kernels as NumPy: it does not check what
-the compiler checks (loop-carried variables keeping their type, for one). This script runs each
-op's launcher on CPU tensors with the launch intercepted, compiles every intercepted
-(kernel, specialization) for ``sm_90`` through Triton's normal pipeline, and prints one JSON object
-per launch: kernel name, target, ok/error, and counts of the PTX instructions the numerics rely
-on. Run as a script (``python tests/compile_for_gpu.py [arch ...]``): TRITON_INTERPRET must be
+the compiler checks (loop-carried variables keeping their type, for one). This script captures
+tiny models' blocks on the CPU, compiles every region kernel the engine generates for ``sm_90``
+through Triton's normal pipeline, and prints one JSON object per kernel: ok/error and counts of
+the PTX instructions the numerics rely on. Run as a script (``python tests/compile_for_gpu.py
+[--minis name,...]``): TRITON_INTERPRET must be
 unset before Triton is imported, so tests call it in a subprocess (tests/test_compile_for_gpu.py).
 """
 
@@ -40,87 +40,6 @@ PTX_COUNTS = {
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.bool: "i1"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "enable_reflect_ftz", "extern_libs")
-
-launches: list[tuple[JITFunction, dict, dict, dict, dict]] = []
-
-
-def _capture(self, *args, grid, warmup, **kwargs):
-    """Stands in for JITFunction.run: records the launch instead of running it, specialised as
-    the JIT would specialise it (ints equal to 1 become constants; ints divisible by 16 and
-    16-byte aligned tensors are marked divisible, unless the kernel opts out)."""
-    bound = dict(zip(self.arg_names, args))
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
-    bound.update(kwargs)
-    signature, constexprs, attrs = {}, {}, {}
-    for index, (param, name) in enumerate(zip(self.params, self.arg_names)):
-        value = bound[name]
-        divisible = False
-        if param.is_constexpr:
-            signature[name] = "constexpr"
-            constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _DTYPES[value.dtype]
-            divisible = value.data_ptr() % 16 == 0 and not param.do_not_specialize_on_alignment
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int) and value == 1 and not param.do_not_specialize:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        elif isinstance(value, int):
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            divisible = value % 16 == 0 and not param.do_not_specialize
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{self.fn.__name__}: cannot type argument {name}={value!r}")
-        if divisible:
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    launches.append((self, signature, constexprs, options, attrs))
-
-
-def cases():
-    """One call per kernel variant the ops launch (dtypes, layouts, paths)."""
-    from exactdit.ops.elementwise import MODULATE, RESIDUAL_GATE_ADD
-    from exactdit.kernels import geglu as geglu_kernels
-    from exactdit.ops.layer_norm import LAYER_NORM, LAYER_NORM_MODULATE
-    from exactdit.ops.rms_norm import GATED_RMS_NORM_MODULATE, RMS_NORM, RMS_NORM_MODULATE
-    from exactdit.ops.rope import QK_NORM_ROPE
-
-    eps = 1e-6
-    for dt in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.zeros(6, 2, 4096, dtype=dt)
-        vec = torch.zeros(1, 2, 4096, dtype=dt)
-        yield "residual_gate_add", dt, lambda: RESIDUAL_GATE_ADD.fused(x, x, vec)
-        yield "modulate fp32 chain", dt, lambda: MODULATE.fused(x, vec, vec, True)
-        yield "modulate native", dt, lambda: MODULATE.fused(x, vec, vec, False)
-        yield "modulate no shift", dt, lambda: MODULATE.fused(x, vec, None, False)
-        for D in (4096, 64, 100, 1001):  # vectorized, scalar (chunk-unrolled), misaligned rows
-            xd, vd = torch.zeros(300, D, dtype=dt), torch.zeros(D, dtype=dt)  # 300 rows: 32 lanes per row
-            yield f"rms_norm D={D}", dt, lambda: RMS_NORM.fused(xd, vd, eps)
-            yield f"rms_norm D={D} no weight", dt, lambda: RMS_NORM.fused(xd, None, eps)
-            yield f"rms_norm_modulate D={D}", dt, lambda: RMS_NORM_MODULATE.fused(xd, vd, eps, vd, vd, True)
-            yield f"gated_rms_norm_modulate D={D}", dt, lambda: GATED_RMS_NORM_MODULATE.fused(
-                xd, xd, vd, vd, eps, vd, vd, True)
-        yield "rms_norm fp32 weight", dt, lambda: RMS_NORM.fused(x, torch.zeros(4096), eps)
-        for head_dim in (128, 96):  # rotate-half fast path, general path
-            q = torch.zeros(1, 7, 4, head_dim, dtype=dt)
-            w = torch.zeros(head_dim, dtype=dt)
-            tables = (torch.zeros(1, 7, 1, head_dim, dtype=dt), torch.zeros(1, 7, 1, head_dim, dtype=dt))
-            yield f"qk_norm_rope head_dim={head_dim}", dt, lambda: QK_NORM_ROPE.fused(q, q, w, w, eps, tables)
-        gate, projection = torch.zeros(5, 2, 3072, dtype=dt), torch.zeros(5, 2, 6144, dtype=dt)
-        # the launcher directly: the op would first build (here: capture) the bf16 table check
-        yield "geglu erf", dt, lambda: geglu_kernels.geglu(gate, gate, gate)
-        yield "geglu erf fused [.., 2F]", dt, lambda: geglu_kernels.geglu(*projection.chunk(2, -1), gate)
-        if dt == torch.bfloat16:
-            table = torch.zeros(2 * geglu_kernels.TABLE_WINDOW, dtype=dt)
-            yield "geglu table", dt, lambda: geglu_kernels.geglu(gate, gate, gate, table)
-            yield "geglu table fused [.., 2F]", dt, lambda: geglu_kernels.geglu(*projection.chunk(2, -1), gate, table)
-        yield "layer_norm", dt, lambda: LAYER_NORM.fused(x, eps, None, None)
-        yield "layer_norm affine", dt, lambda: LAYER_NORM.fused(x, eps, vec[0, 0], vec[0, 0])
-        yield "layer_norm_modulate native", dt, lambda: LAYER_NORM_MODULATE.fused(x, eps, vec, vec, None, None, False)
-
-
 def compile_launch(kernel: JITFunction, signature: dict, constexprs: dict, options: dict, attrs: dict, arch: int):
     """Compile one intercepted launch for ``sm_<arch>`` through Triton's normal pipeline."""
     opts = dict(options)
@@ -131,14 +50,6 @@ def compile_launch(kernel: JITFunction, signature: dict, constexprs: dict, optio
             opts.pop("extern_libs")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-
-
-def captured(call) -> list[tuple[JITFunction, dict, dict, dict, dict]]:
-    """The launches ``call()`` makes, intercepted (nothing runs)."""
-    JITFunction.run = _capture
-    del launches[:]
-    call()
-    return list(launches)
 
 
 def engine_launches():
@@ -225,29 +136,16 @@ def region_launches(name: str, gm):
             yield f"engine {region.name} {region.describe()}", fn, sig, consts, options
 
 
-def main(archs: list[int]) -> None:
-    if "--engine" in sys.argv:
-        for label, fn, sig, consts, options in engine_launches():
-            row = {"case": label, "kernel": "region_kernel", "arch": 90}
-            try:
-                ptx = compile_launch(fn, sig, consts, options, {}, 90).asm["ptx"]
-                row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
-            print(json.dumps(row), flush=True)
-        return
-    for label, dtype, call in cases():
-        for kernel, signature, constexprs, options, attrs in captured(call):
-            for arch in archs:
-                row = {"case": label, "dtype": str(dtype).replace("torch.", ""), "kernel": kernel.fn.__name__,
-                       "arch": arch}
-                try:
-                    ptx = compile_launch(kernel, signature, constexprs, options, attrs, arch).asm["ptx"]
-                    row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
-                except Exception as e:  # noqa: BLE001 - reported to the test
-                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
-                print(json.dumps(row), flush=True)
+def main() -> None:
+    for label, fn, sig, consts, options in engine_launches():
+        row = {"case": label, "kernel": "region_kernel", "arch": 90}
+        try:
+            ptx = compile_launch(fn, sig, consts, options, {}, 90).asm["ptx"]
+            row.update(ok=True, ptx={k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-2000:]}")
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:] if a.isdigit()] or [90])
+    main()

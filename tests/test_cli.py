@@ -11,7 +11,6 @@ import torch
 from click.testing import CliRunner
 
 import exactdit
-from exactdit import references
 from exactdit.cli import main
 from exactdit.numerics import INTERPRET
 
@@ -377,47 +376,39 @@ def test_demo_refuses_config_that_does_not_fit(monkeypatch, tmp_path):
     assert_clean_error(res, 1, "--config small needs about", "GiB")
 
 
-def test_selfcheck_holds_every_op_to_eager():
+def test_selfcheck_holds_patched_models_to_eager():
     result = invoke("selfcheck")
     assert result.exit_code == 0, result.output
     assert "all results bit-identical to eager" in result.output
-    for op in ("residual_gate_add", "modulate", "rms_norm_modulate", "gated_rms_norm_modulate",
-               "qk_norm_rope", "geglu", "layer_norm_modulate"):
-        assert op in result.output
+    for name in ("flux", "ernie"):
+        assert f"{name}: patched forward equal to eager" in result.output
+    assert "fused" in result.output and "eager because" in result.output
 
 
-def test_selfcheck_says_how_bf16_gelu_runs(monkeypatch):
-    from exactdit import selfcheck
-
-    monkeypatch.setattr(selfcheck.ops, "gelu_table_status",
-                        lambda: {"cuda:0": "table", "cuda:1": "no reason", "cpu": "the table path differs"})
-    result = invoke("selfcheck")
-    assert "geglu: bf16 GELU on cuda:0 by table, checked on all 2^16 inputs" in result.output
-    assert "geglu: bf16 GELU on cuda:1 by erf (no reason)" in result.output
-    # off the GPU geglu runs eager: a refused CPU table is no news
-    assert "GELU on cpu" not in result.output
-
-
-@pytest.mark.parametrize("interpret", [True, False])
-def test_selfcheck_says_what_ran_without_a_gpu(monkeypatch, interpret):
+def test_selfcheck_says_what_ran_without_a_gpu(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     from exactdit import gate
+    from exactdit.harness import selfcheck
 
-    monkeypatch.setattr(gate, "INTERPRET", interpret)
-    result = invoke("selfcheck")
-    assert result.exit_code == 0, result.output
-    if interpret:
-        assert "run fused in Triton's interpreter" in result.output
-        assert "every op takes its eager fallback" not in result.output
-    else:
-        assert "every op takes its eager fallback" in result.output
+    monkeypatch.setattr(gate, "INTERPRET", False)
+    lines = []
+    assert selfcheck.main(("flux",), echo=lines.append) == 0
+    assert any("every region takes its eager fallback" in line for line in lines)
 
 
-def test_selfcheck_exits_non_zero_when_an_op_differs(monkeypatch):
-    from exactdit import selfcheck
+def test_selfcheck_exits_non_zero_when_a_model_differs(monkeypatch):
+    from exactdit.harness import selfcheck
 
-    wrong = lambda *args, **kwargs: references.modulate(*args, **kwargs) + 1  # noqa: E731
-    monkeypatch.setattr(selfcheck.ops, "modulate", wrong)
-    result = invoke("selfcheck")
-    assert result.exit_code == 1 and "FAIL modulate" in result.output
+    real = selfcheck._forward
+    calls = []
+
+    def wrong(models, name, tr, kw):  # the patched forwards (every call after the first) differ
+        calls.append(name)
+        out = real(models, name, tr, kw)
+        return out if len(calls) == 1 else out + 1
+
+    monkeypatch.setattr(selfcheck, "_forward", wrong)
+    lines = []
+    assert selfcheck.main(("flux",), echo=lines.append) == 1
+    assert any(line.startswith("FAIL flux") for line in lines)

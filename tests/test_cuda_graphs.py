@@ -46,16 +46,6 @@ def test_a_compiled_model_keeps_its_compile(flux):
     assert tr._compiled_call_impl is not None and cuda_graphs.graphed(tr) is None
 
 
-def test_the_mirror_says_it_takes_no_graphs():
-    tr = models.build_transformer("ernie", "tiny", dtype=torch.bfloat16, seed=1)
-    with pytest.warns(UserWarning, match="no CUDA graphs with mirror=True"):
-        summary = exactdit.patch(tr, mirror=True, cuda_graphs=True)
-    try:
-        assert summary["patched"] and summary["cuda_graphs"] is False and cuda_graphs.graphed(tr) is None
-    finally:
-        exactdit.unpatch(tr)
-
-
 def test_the_state_key_follows_what_a_graph_freezes(flux):
     tr, _ = flux
     watch = _ModelWatch(tr)

@@ -19,7 +19,6 @@ from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
 from exactdit.engine.templates import GeneratedKernel
 from exactdit.numerics import LAUNCH_OPTIONS
-from exactdit.ops._common import _INT_VIEW, _POISON
 
 
 def reference_module(region: Region) -> fx.GraphModule:
@@ -215,7 +214,7 @@ class _Launch:
 
 def _poison(outs) -> None:
     for out in outs:
-        out.view(_INT_VIEW[out.dtype]).fill_(_POISON[out.dtype])
+        out.view(gate.INT_VIEW[out.dtype]).fill_(gate.POISON[out.dtype])
 
 
 def region_call_target(op: RegionOp):

@@ -27,6 +27,7 @@ import math
 import torch
 import torch.fx as fx
 
+from exactdit.aten_reduce import mean_factor, one_block_config
 from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, f32_literal, is_wide, shape_of
 from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
 from exactdit.engine.region import Launch, Region
@@ -362,8 +363,6 @@ def _rows_of_contiguous_columns(val: torch.Tensor) -> bool:
 
 
 def _mean_check(node: fx.Node) -> str | None:
-    from exactdit.ops.rms_norm import _reduce_config
-
     x = node.args[0]
     shape = shape_of(x)
     dims = node.args[1] if len(node.args) > 1 else None
@@ -377,7 +376,7 @@ def _mean_check(node: fx.Node) -> str | None:
     val = x.meta["val"]
     if not _rows_of_contiguous_columns(val):
         return "mean of rows that are not each contiguous"
-    cfg = _reduce_config(math.prod(shape[:-1]), width)
+    cfg = one_block_config(math.prod(shape[:-1]), width)
     return cfg if isinstance(cfg, str) else None
 
 
@@ -784,13 +783,11 @@ def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
 def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's generic reduction (Reduce.cuh) of ``x.mean(-1)`` for fp32 rows, in the launch
     configuration ATen picks for this row count (:mod:`exactdit.aten_reduce`)."""
-    from exactdit.ops.rms_norm import _mean_factor, _reduce_config
-
     t = _Reduction(region, launch)
     if t.x not in t.members:
         raise Unfusable("mean of a tensor the region does not compute", t.red)
     code, width = t.code, t.width
-    cfg = _reduce_config(t.n_rows, width)
+    cfg = one_block_config(t.n_rows, width)
     if isinstance(cfg, str):
         raise Unfusable(cfg, t.red)
     threads = cfg.block_width * cfg.warps_per_row
@@ -798,7 +795,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     n_chunks = -(-width // chunk)
     shape = mean_launch_shape(chunk, width)
     rows = shape.rows
-    factor = _mean_factor(t.n_rows, width)
+    factor = mean_factor(t.n_rows, width)
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
     code.line(f"row_ok = rows < {t.n_rows}")
     row = tuple(_row_atoms(code, "rows", launch.shape))

@@ -23,13 +23,11 @@ the GPU probe settles are constexpr switches (``MEAN_FMA``, ``SIGMA_FMA``, ``RCP
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from exactdit.kernels.elementwise import modulate_values
-from exactdit.kernels.rows import lanes_exchanged, next_power_of_2, row_offsets, row_strides, rows_of, vector_elements
-from exactdit.numerics import INTERPRET, LAUNCH_OPTIONS, add_rn, div_rn, mul_rn, round_to, rsqrt_approx, sub_rn
+from exactdit.kernels.rows import lanes_exchanged, vector_elements
+from exactdit.numerics import INTERPRET, add_rn, div_rn, mul_rn, rsqrt_approx, sub_rn
 
 #: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
 MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2
@@ -45,7 +43,6 @@ THREADS = 128  # ATen's block: 4 warps of 32 threads
 #: warps per program. The kernel's tensors model ATen's 128 threads whatever the warp count (a
 #: layout choice that changes no bits), so fewer warps means each thread plays several of them.
 NUM_WARPS = 4
-VEC = 4  # elements per vector load, for every dtype
 #: widest row (in 512-element iterations per thread) whose loops are unrolled: D <= 8192
 MAX_UNROLL = 16
 #: largest count whose reciprocal the kernel takes as a constant (Python's ``1 / c`` rounded to
@@ -217,43 +214,6 @@ def vector_columns(j):
 
 
 @triton.jit
-def _welford_vector(
-    x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX: tl.constexpr, CONST_RCP: tl.constexpr, FULL: tl.constexpr
-):
-    """``welford_update`` with the tile read from the row at ``row_start``."""
-    offs = vector_columns(j)
-    if FULL:
-        tile = tl.load(x_ptr + row_start + offs).to(tl.float32)
-    else:
-        tile = tl.load(x_ptr + row_start + offs, mask=offs < n_vec * 4, other=0.0).to(tl.float32)
-    return welford_update(tile, j, n_vec, mean, m2, cnt, RCP_APPROX, CONST_RCP, FULL)
-
-
-@triton.jit
-def _row_stats(
-    x_ptr, row_start, width, eps,
-    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr, N_ITER: tl.constexpr,
-    FULL: tl.constexpr, TREE_COUNT: tl.constexpr,
-):
-    """(mean, rstd) of one row in ATen's vectorised Welford order (see the module docstring).
-
-    N_ITER > 0: the per-thread loop has exactly N_ITER iterations and is unrolled, so all of the
-    row's loads can be issued before the (serial) Welford arithmetic; 0: a runtime loop.
-    """
-    n_vec = width // 4
-    mean = tl.zeros((128,), tl.float32)
-    m2 = tl.zeros((128,), tl.float32)
-    cnt = tl.zeros((128,), tl.float32)
-    if N_ITER > 0:
-        for j in tl.static_range(N_ITER):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, not RCP_APPROX, FULL)
-    else:
-        for j in range(0, tl.cdiv(n_vec, 128)):
-            mean, m2, cnt = _welford_vector(x_ptr, row_start, j, n_vec, mean, m2, cnt, RCP_APPROX, False, FULL)
-    return welford_finish(mean, m2, cnt, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, TREE_COUNT)
-
-
-@triton.jit
 def welford_finish(mean, m2, cnt, width, eps, MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr,
                    RCP_APPROX: tl.constexpr, TREE_COUNT: tl.constexpr):
     """(mean, rstd) of a row from its 128 thread states: ATen's warp trees and cross-warp
@@ -381,102 +341,3 @@ def normalized(x, mean, rstd, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.const
     return y
 
 
-@triton.jit
-def _write_chunk(
-    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
-    c0, width, mean, rstd,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Columns [c0, c0 + BLOCK) of one row: normalise, optionally modulate, round, store."""
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    c = c0 + cols
-    mask = c < width
-    x = tl.load(x_ptr + x_start + c, mask=mask, other=0.0).to(tl.float32)
-    w = x
-    b = x
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    y = normalized(x, mean, rstd, w, b, HAS_WEIGHT, HAS_BIAS)
-    y = round_to(y, DTYPE)
-    if MODULATE:
-        scale = tl.load(scale_ptr + sc_start + c, mask=mask, other=0.0)
-        shift = scale
-        if HAS_SHIFT:
-            shift = tl.load(shift_ptr + sh_start + c, mask=mask, other=0.0)
-        y = modulate_values(y, scale, shift, HAS_SHIFT, UPCAST)
-    tl.store(out_ptr + o_start + c, y, mask=mask)
-
-
-@triton.jit
-def layer_norm_kernel(
-    x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr,
-    inner, width, eps,
-    x_so, x_si, sc_so, sc_si, sh_so, sh_si, o_so, o_si,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MODULATE: tl.constexpr, HAS_SHIFT: tl.constexpr, UPCAST: tl.constexpr,
-    MEAN_FMA: tl.constexpr, SIGMA_FMA: tl.constexpr, RCP_APPROX: tl.constexpr,
-    N_ITER: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr, TREE_COUNT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """``F.layer_norm(x, (D,), weight, bias, eps)`` for one row per program (vectorised ATen
-    path only: D % 4 == 0), optionally followed by ``modulate_values`` (ERNIE-Image's final norm
-    + AdaLN, Flux/SD3/Qwen-Image/Wan AdaLN-Zero) on the layer norm rounded to the dtype.
-
-    Accepts bf16, fp16, fp32 with x, weight, bias, scale, shift and out of one dtype; operands
-    are [outer, inner, D] views with unit stride along D (weight/bias contiguous [D]). ``eps``
-    arrives as fp32. N_ITER / N_OUT: trip counts of the statistics and output loops when they
-    are unrolled (D <= 128 * 4 * MAX_UNROLL), 0 for runtime loops; FULL: D % 512 == 0 (every
-    thread has a vector in every iteration); TREE_COUNT: the elements per thread when FULL and
-    the combine's reciprocals can be constants (see ``_combine``), else 0.
-    """
-    row = tl.program_id(0)
-    x_start = row_offsets(row, inner, x_so, x_si)
-    mean, rstd = _row_stats(x_ptr, x_start, width, eps, MEAN_FMA, SIGMA_FMA, RCP_APPROX, N_ITER, FULL, TREE_COUNT)
-    o_start = row_offsets(row, inner, o_so, o_si)
-    sc_start = row_offsets(row, inner, sc_so, sc_si)  # unused without MODULATE
-    sh_start = row_offsets(row, inner, sh_so, sh_si)
-    if N_OUT > 0:  # unrolled: independent chunks whose loads can be issued together
-        for k in tl.static_range(N_OUT):
-            _write_chunk(
-                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
-                k * BLOCK, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
-            )
-    else:
-        for c0 in range(0, width, BLOCK):
-            _write_chunk(
-                x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, out_ptr, x_start, o_start, sc_start, sh_start,
-                c0, width, mean, rstd, HAS_WEIGHT, HAS_BIAS, MODULATE, HAS_SHIFT, UPCAST, BLOCK,
-            )
-
-
-def layer_norm(x, eps, weight, bias, out, scale=None, shift=None, upcast=False, choices=None):
-    """Write ``F.layer_norm(x, (D,), weight, bias, eps)`` into ``out`` (and, with ``scale``,
-    its modulation ``modulate(., scale, shift, upcast=upcast)``). ``x``: 1 to 3 dims, unit
-    stride along D, D % 4 == 0; ``choices`` overrides :data:`CHOICES` (probe / tests)."""
-    ch = dict(CHOICES, **(choices or {}))
-    shape = tuple(out.shape)
-    modulating = scale is not None
-    sc = scale if modulating else out
-    sh = shift if shift is not None else sc
-    n_rows, inner, width = rows_of(shape)
-    strides = [s for t in (x, sc, sh, out) for s in row_strides(t, shape)]
-    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # ATen adds eps as fp32
-    block = min(2048, max(512, next_power_of_2(width)))
-    n_iter = -(-(width // VEC) // THREADS)
-    n_out = -(-width // block)
-    unroll = n_iter <= MAX_UNROLL
-    full = width % (VEC * THREADS) == 0
-    # constant reciprocals in the tree: correctly rounded counts only, up to the tested 2**20
-    tree_count = width // THREADS if full and not ch["rcp_approx"] and width <= MAX_CONSTANT_COUNT else 0
-    layer_norm_kernel[(n_rows,)](
-        x, x if weight is None else weight, x if bias is None else bias, sc, sh, out,
-        inner, width, eps32, *strides,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        MODULATE=modulating, HAS_SHIFT=shift is not None, UPCAST=bool(upcast),
-        MEAN_FMA=_MEAN_FMA[ch["mean_fma"]], SIGMA_FMA=bool(ch["sigma_fma"]), RCP_APPROX=bool(ch["rcp_approx"]),
-        N_ITER=n_iter if unroll else 0, N_OUT=n_out if unroll else 0, FULL=full, TREE_COUNT=tree_count, BLOCK=block, num_warps=NUM_WARPS, **LAUNCH_OPTIONS,
-    )
-    return out

@@ -8,36 +8,8 @@ of materialising copies.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def row_offsets(rows, inner, stride_outer, stride_inner):
-    """Element offset of the start of each flat row index in an [outer, inner, D] view."""
-    rows = rows.to(tl.int64)
-    return (rows // inner) * stride_outer + (rows % inner) * stride_inner
-
-
-def row_strides(t: torch.Tensor, shape: tuple) -> tuple[int, int]:
-    """(outer, inner) strides of ``t`` broadcast to ``shape`` (1 to 3 dims) and viewed as
-    [outer, inner, D]; 0 along broadcast or size-1 dims. Integer arithmetic only: no views are
-    made on the launch path."""
-    pad = len(shape) - t.dim()
-    sizes = (1,) * pad + tuple(t.shape)
-    strides = (0,) * pad + t.stride()
-    lead = [0 if sizes[i] == 1 else strides[i] for i in range(len(shape) - 1)]
-    lead = [0] * (2 - len(lead)) + lead
-    return lead[0], lead[1]
-
-
-def rows_of(shape: tuple) -> tuple[int, int, int]:
-    """(rows, inner, width) of the [outer, inner, D] view of ``shape``."""
-    width = shape[-1]
-    inner = shape[-2] if len(shape) >= 2 else 1
-    outer = shape[-3] if len(shape) == 3 else 1
-    return outer * inner, inner, width
 
 
 #: Tile of the elementwise kernels: (elements per program, widest tile, warps). Chosen on an

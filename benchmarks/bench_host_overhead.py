@@ -77,7 +77,7 @@ def main() -> None:
         if fast is not None:
             row("its launch plan alone (compiled launchers)", per_call_us(lambda: fast(*inputs), args.calls, sync))
         else:
-            print("no launch plan: this Triton's launch convention is not the one exactdit.launch knows", flush=True)
+            print("no launch plan: this Triton's launch convention is not the one exactdit.device.launch knows", flush=True)
         launches = region._launches(inputs[0].device)
         outs = region._fused(*inputs)
         tensors = (inputs, outs, region._tables(inputs[0].device)[0])

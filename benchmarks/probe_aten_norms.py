@@ -1,4 +1,4 @@
-"""GPU probe: does exactdit.aten_norms reproduce eager CUDA bits?
+"""GPU probe: does exactdit.aten.norms reproduce eager CUDA bits?
 
 Run on the H200 from the repository root (needs torch with CUDA and numpy
 only; triton is used for one optional check if importable):
@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from exactdit.aten_norms import (  # noqa: E402
+from exactdit.aten.norms import (  # noqa: E402
     gelu_candidates,
     layer_norm_order_model,
     rms_norm_composite_model,

@@ -1,4 +1,4 @@
-"""GPU probe: does exactdit.aten_reduce reproduce eager ``x.mean(-1)`` bit for bit?
+"""GPU probe: does exactdit.aten.reduce reproduce eager ``x.mean(-1)`` bit for bit?
 
 Run on the GPU machine from the repository root:
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from exactdit.aten_reduce import (  # noqa: E402
+from exactdit.aten.reduce import (  # noqa: E402
     mean_factor,
     mean_lastdim_launches,
     mean_lastdim_reference_order,

@@ -5,7 +5,7 @@ Old-style diffusers attention processors (SD3, PixArt, HunyuanDiT, CogVideoX, ..
 k after ``view(B, S, H, D).transpose(1, 2)``: the decomposed RMSNorm's ``pow(2).mean(-1)`` then
 reads permuted rows. ATen's reduction configuration depends on the row count, the row width and
 the reduced dim's stride, not on how the rows are laid out, so the per-row order should be the
-contiguous one (which :mod:`exactdit.aten_reduce` models). This checks it bit for bit over many
+contiguous one (which :mod:`exactdit.aten.reduce` models). This checks it bit for bit over many
 shapes and layouts. Prints one line per case and writes ``$OUT/probe_permuted_mean.json``.
 
     python3 benchmarks/probe_permuted_mean.py

@@ -36,8 +36,8 @@ from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, m
 from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import coverage, templates  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
-from exactdit.kernels import rms_norm as rms_k  # noqa: E402
-from exactdit.kernels import rows as rows_k  # noqa: E402
+from exactdit.device import trees as rms_k  # noqa: E402
+from exactdit.device import rows as rows_k  # noqa: E402
 
 
 def _mean_variants():

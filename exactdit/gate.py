@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from exactdit.numerics import INTERPRET
+from exactdit.device.numerics import INTERPRET
 
 logger = logging.getLogger("exactdit")
 

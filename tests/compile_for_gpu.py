@@ -105,7 +105,7 @@ def region_launches(name: str, gm):
     the regions of the captured graph ``gm`` (strides typed as the JIT types the real launch)."""
     from exactdit.engine import kernel_source, tables
     from exactdit.engine.partition import find_regions
-    from exactdit.numerics import LAUNCH_OPTIONS
+    from exactdit.device.numerics import LAUNCH_OPTIONS
 
     spec = tables.TableSpec(15179, 2048, 65536, 65536, 0, 163840, 281472820903935, 32640)
     for region in find_regions(gm, name).regions:

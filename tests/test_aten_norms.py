@@ -1,4 +1,4 @@
-"""CPU tests of exactdit.aten_norms (order models of ATen CUDA kernels).
+"""CPU tests of exactdit.aten.norms (order models of ATen CUDA kernels).
 
 On CPU the models cannot be bit-equal to torch's CPU kernels (different
 reduction trees, CPU rsqrt/erf), so these tests check closeness to float64
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exactdit.aten_norms import (
+from exactdit.aten.norms import (
     GELU_K_ALPHA,
     fma_f32,
     gelu_candidates,

@@ -1,10 +1,10 @@
-"""CPU tests for exactdit.aten_reduce (config rules and the fp32 order model)."""
+"""CPU tests for exactdit.aten.reduce (config rules and the fp32 order model)."""
 
 import numpy as np
 import pytest
 import torch
 
-from exactdit.aten_reduce import (
+from exactdit.aten.reduce import (
     ReduceConfig,
     mean_factor,
     mean_lastdim_config,

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import exactdit
 from exactdit.cli import main
-from exactdit.numerics import INTERPRET
+from exactdit.device.numerics import INTERPRET
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = Path(__file__).parent / "fixtures"

@@ -380,7 +380,7 @@ def test_qwen_image_edit_two_image_streams_and_per_token_modulation():
 def interpreted_launchers(monkeypatch):
     """Launch plans on the CPU: each 'compiled launcher' takes the argument list a plan passes
     (every kernel parameter in order) and runs the kernel in Triton's interpreter from it."""
-    from exactdit import launch
+    from exactdit.device import launch
 
     launched = []
 

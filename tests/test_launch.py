@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit import launch
+from exactdit.device import launch
 
 
 def test_the_installed_triton_passes_every_bound_argument():

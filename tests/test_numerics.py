@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.numerics import (LAUNCH_OPTIONS, add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, neg_f32,
+from exactdit.device.numerics import (LAUNCH_OPTIONS, add_rn, div_rn, dtype_add, dtype_mul, dtype_sub, mul_rn, neg_f32,
                                round_to)
 from tests.conftest import DEVICE
 from tests.helpers import with_special_values

@@ -1,7 +1,7 @@
 """exactdit's engine: exact rewriting of captured ATen graphs.
 
 How a model enters the system, in order: ATen op semantics (:mod:`.aten_ops`) and the order
-models of ATen's reductions (:mod:`exactdit.aten_norms`, :mod:`exactdit.aten_reduce`) ->
+models of ATen's reductions (:mod:`exactdit.aten.norms`, :mod:`exactdit.aten.reduce`) ->
 index arithmetic and code emission (:mod:`.indexing`, :mod:`.emit`, :mod:`.tables`) -> kernel
 templates (:mod:`.templates`) -> regions of a captured graph (:mod:`.partition`) -> the gate
 that checks each region against the ATen nodes it replaced (:mod:`.runtime`) -> the

@@ -5,7 +5,7 @@ The emitter turns a value of the captured ATen graph, asked for at an index (see
 rule :mod:`exactdit.engine.aten_ops` holds for it, and every rule follows the same contract as
 the eager CUDA kernel it stands for: operands widened to the op's math type (fp32 for bf16,
 fp16 and fp32), one operation with ``.rn`` rounding and no FMA contraction (the
-:mod:`exactdit.numerics` helpers), the result rounded once to the node's dtype. A value is
+:mod:`exactdit.device.numerics` helpers), the result rounded once to the node's dtype. A value is
 kept in a variable of the node's dtype, so the next op sees exactly the bits eager hands it.
 
 Values live in one of three shapes of the kernel's tile: ``scalar``, ``row`` (one value per row

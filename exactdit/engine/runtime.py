@@ -13,12 +13,13 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from exactdit import gate, launch
+from exactdit import gate
+from exactdit.device import launch
 from exactdit.engine import kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
 from exactdit.engine.templates import GeneratedKernel
-from exactdit.numerics import LAUNCH_OPTIONS
+from exactdit.device.numerics import LAUNCH_OPTIONS
 
 
 def reference_module(region: Region) -> fx.GraphModule:

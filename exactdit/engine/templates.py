@@ -3,8 +3,8 @@
 * ``pointwise``: tiles of ``[BLOCK_R, BLOCK_C]`` of the domain (rows = all dims but the last).
 * ``layer_norm`` / ``fused_rms_norm`` / ``mean``: the domain's rows are the rows of a reduction
   over its last dim. Pass 1 walks each row in the order ATen's CUDA kernel adds in (the order
-  models of :mod:`exactdit.aten_norms` / :mod:`exactdit.aten_reduce`, shared with the
-  hand-written kernels of :mod:`exactdit.kernels`) and computes the row statistics; the
+  models of :mod:`exactdit.aten.norms` / :mod:`exactdit.aten.reduce`, shared with the
+  device library :mod:`exactdit.device`) and computes the row statistics; the
   region's values that feed the reduction (its prologue) are emitted inside that walk, so a
   gated residual is added on the fly. Pass 2 emits every output (the epilogue: normalisation,
   modulation, RoPE, ...) from the statistics. A prologue value the region must also return is
@@ -27,13 +27,13 @@ import math
 import torch
 import torch.fx as fx
 
-from exactdit.aten_reduce import mean_factor, one_block_config
+from exactdit.aten.reduce import mean_factor, one_block_config
 from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, f32_literal, is_wide, shape_of
 from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.tables import CONSTEXPR_FIELDS
-from exactdit.kernels.rows import ELEMENTWISE_TILE, elementwise_blocks, next_power_of_2
+from exactdit.device.rows import ELEMENTWISE_TILE, elementwise_blocks, next_power_of_2
 
 #: row tiles per program when a region reads tables (each program loads its tables once). 8 to 32
 #: (as a dynamic loop) measured no faster on Wan's GELU and Z-Image's SwiGLU, nor did 1-8 tiles of
@@ -520,7 +520,7 @@ class _ThreadLoop:
 
     @staticmethod
     def of(width: int) -> "_ThreadLoop":
-        from exactdit.kernels import layer_norm as ln_k
+        from exactdit.device import welford as ln_k
 
         iterations = -(-(width // 4) // ln_k.THREADS)
         full = width % (4 * ln_k.THREADS) == 0
@@ -538,7 +538,7 @@ class _ThreadLoop:
     def update_args(self) -> str:
         """The arguments of ``ln_k.welford_update`` after the tile (of ``welford_elements`` after
         the elements, but the lane count)."""
-        from exactdit.kernels import layer_norm as ln_k
+        from exactdit.device import welford as ln_k
 
         approx = ln_k.CHOICES["rcp_approx"]
         return f"j, {self.width // 4}, mean, m2, cnt, {approx}, {self.unroll and not approx}, {self.full}"
@@ -547,7 +547,7 @@ class _ThreadLoop:
 def _layer_norm(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's ``vectorized_layer_norm_kernel``: 128 Welford "threads" per row; one row per
     program, or for rows of at most 512 several rows per program (:func:`_layer_norm_rows`)."""
-    from exactdit.kernels import layer_norm as ln_k
+    from exactdit.device import welford as ln_k
 
     t = _Reduction(region, launch)
     code, width = t.code, t.width
@@ -599,7 +599,7 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     tile (column ``4 * (j * 128 + t) + i``: each load is ROWS consecutive elements of memory per
     column) and folds it in ATen's order (``ln_k.welford_elements``); the states combine in ATen's
     tree (``ln_k.lanes_finish``, 128 lanes); pass 2 writes [ROWS, 256] tiles."""
-    from exactdit.kernels import layer_norm as ln_k
+    from exactdit.device import welford as ln_k
 
     code, width = t.code, t.width
     rows, warps = LAYER_NORM_ROW_BLOCK
@@ -644,7 +644,7 @@ def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     """Rows of at most 512 (CogVideoX's per-head q/k norms: 853k rows of 64): a tile of
     ``BLOCK_R`` whole rows, thread t of each row owning columns 4t .. 4t + 3; the states combine
     in ATen's tree (``ln_k.lanes_finish``) and the same tile gives the outputs."""
-    from exactdit.kernels import layer_norm as ln_k
+    from exactdit.device import welford as ln_k
 
     code, width = t.code, t.width
     lanes = next_power_of_2(width // 4)
@@ -673,8 +673,8 @@ def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
 
 def fused_rms_launch_shape(width: int) -> tuple[int, int]:
     """(rows per program, warps) of the "fused_rms_norm" template: the hand kernels' tile
-    (:mod:`exactdit.kernels.rope`). Neither changes a row's order of additions."""
-    from exactdit.kernels import rope as rope_k
+    (:mod:`exactdit.device.vectorized_norm`). Neither changes a row's order of additions."""
+    from exactdit.device import vectorized_norm as rope_k
 
     return max(1, rope_k.ROW_BLOCK_ELEMENTS // next_power_of_2(width)), rope_k.NUM_WARPS
 
@@ -683,7 +683,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's ``vectorized_layer_norm_kernel`` with the rms flag (``F.rms_norm``): 128 threads
     per row, thread t owns the float4 vectors t, t + 128, ...; ``BLOCK_R`` rows per program.
     Rows of up to 512 (one vector per thread) are one tile for both passes."""
-    from exactdit.kernels import rope as rope_k
+    from exactdit.device import vectorized_norm as rope_k
 
     t = _Reduction(region, launch)
     code, width = t.code, t.width
@@ -769,7 +769,7 @@ def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
     Holding a wide row's chunks in registers for pass 2 instead of loading them again measured
     1.4-2.2x slower (register pressure); for one-chunk rows the compiler already reuses pass 1's
     load."""
-    from exactdit.kernels import rms_norm as rms_k
+    from exactdit.device import trees as rms_k
 
     if width <= chunk:
         rows, warps, unroll = 8, 4, 2
@@ -782,7 +782,7 @@ def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
 
 def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     """ATen's generic reduction (Reduce.cuh) of ``x.mean(-1)`` for fp32 rows, in the launch
-    configuration ATen picks for this row count (:mod:`exactdit.aten_reduce`)."""
+    configuration ATen picks for this row count (:mod:`exactdit.aten.reduce`)."""
     t = _Reduction(region, launch)
     if t.x not in t.members:
         raise Unfusable("mean of a tensor the region does not compute", t.red)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from exactdit.numerics import INTERPRET
+from exactdit.device.numerics import INTERPRET
 
 #: The launch statement of ``JITFunction.run`` whose argument order :func:`compile_for`'s launcher expects.
 _CONVENTION = (

@@ -8,7 +8,7 @@ The eager chain (``exactdit.references.rms_norm``) is
     out = h * weight                  (or h.to(x.dtype) without a weight)
 
 The only hard part is the variance: its bits depend on the order of ATen's additions, which
-depends on the launch shape ATen picks for the *real* (M, D) (see :mod:`exactdit.aten_reduce`).
+depends on the launch shape ATen picks for the *real* (M, D) (see :mod:`exactdit.aten.reduce`).
 The kernel below reproduces that order for a given emulated configuration:
 
 * ``T = BW * WY`` threads reduce one row (``BW`` lanes, ``WY`` warps when warps split the row);
@@ -35,8 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import next_power_of_2
-from exactdit.numerics import add_rn
+from exactdit.device.rows import next_power_of_2
+from exactdit.device.numerics import add_rn
 
 
 @triton.jit

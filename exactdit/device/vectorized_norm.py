@@ -5,7 +5,7 @@ One program handles BLOCK_R rows (one row = one head of one token, ``head_dim`` 
 axis 1 picks the tensor.
 
 The norm reproduces ATen's ``vectorized_layer_norm_kernel`` with the rms flag (see
-:mod:`exactdit.aten_norms`, ``rms_norm_order_model``): a 128-thread block per row, thread t
+:mod:`exactdit.aten.norms`, ``rms_norm_order_model``): a 128-thread block per row, thread t
 owns the 4-element vectors t, t + 128, ...; ``acc = fma(v, v, acc)`` per element in read order;
 a warp shuffle-down tree 16, 8, 4, 2, 1; warps combined ``(w0 + w2) + (w1 + w3)``;
 ``var = s / N`` (div.rn); ``rstd = rsqrt.approx(var + eps)``; ``y = w * (rstd * x)`` rounded
@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import vector_elements
-from exactdit.numerics import add_rn, mul_rn, round_to
+from exactdit.device.rows import vector_elements
+from exactdit.device.numerics import add_rn, mul_rn, round_to
 
 #: threads per row of ATen's vectorized norm kernel, and elements per vector.
 THREADS = 128

@@ -2,7 +2,7 @@
 ATen's ``vectorized_layer_norm_kernel`` (torch 2.11, CUDA).
 
 One program per row, 4 warps. The program reproduces ATen's 128-thread block exactly as
-:mod:`exactdit.aten_norms` models it (``layer_norm_order_model``, vectorised path):
+:mod:`exactdit.aten.norms` models it (``layer_norm_order_model``, vectorised path):
 
 * "thread" ``t`` (0..127, warp ``t // 32``, lane ``t % 32``) owns the 4-element vectors
   ``t, t + 128, t + 256, ...`` of the row and runs a Welford update over their elements in
@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exactdit.kernels.rows import lanes_exchanged, vector_elements
-from exactdit.numerics import INTERPRET, add_rn, div_rn, mul_rn, rsqrt_approx, sub_rn
+from exactdit.device.rows import lanes_exchanged, vector_elements
+from exactdit.device.numerics import INTERPRET, add_rn, div_rn, mul_rn, rsqrt_approx, sub_rn
 
 #: ``MEAN_FMA`` values: which product of ``nA*A.mean + nB*B.mean`` nvcc fused into the add.
 MEAN_FMA_NONE, MEAN_FMA_FIRST, MEAN_FMA_SECOND = 0, 1, 2

@@ -1,6 +1,6 @@
 """exactdit: bit-exact fused Triton kernels for diffusion transformers in diffusers."""
 
-from exactdit.gate import report, reset_report
+from exactdit.reporting import report, reset_report
 from exactdit.patches import patch, unpatch
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from exactdit import gate
+from exactdit import gate, reporting
 from exactdit.engine import coverage
 
 from . import _api, metrics, models, perf
@@ -242,7 +242,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         echo(f"result    DIFFERENT: final latents differ (max_abs {max_abs:.3g})")
     fused, fell_back, reasons = _api.summarize_report(patched["report"])
     echo(f"fused     {fused} fused op calls ran, {fell_back} fell back to eager ({_fmt_reasons(reasons)})")
-    for op, e in sorted(gate.grouped(patched["report"]).items()):
+    for op, e in sorted(reporting.grouped(patched["report"]).items()):
         regions = f" ({e['regions']} regions)" if e["regions"] else ""
         echo(f"  {op + regions:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
     for graph in coverage.graphs():

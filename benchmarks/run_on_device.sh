@@ -7,14 +7,14 @@
 #   engine-tests     pytest -m gpu for the engine
 #   engine-ernie     ERNIE-Image 1024^2 and 512^2 through the engine: one forward each, equal to eager
 #   engine-chroma    diffusers' Chroma test configs
-#   minis-tests      pytest -m gpu tests/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
+#   minis-tests      pytest -m gpu tests/harness/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
 #                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
-#   rules-tests      tests/test_numerics.py and tests/test_gpu_engine_rules.py: each pointwise rule against the eager CUDA kernel,
+#   rules-tests      tests/device/test_numerics.py and tests/engine/test_gpu_rules.py: each pointwise rule against the eager CUDA kernel,
 #                    special values (+-0, +-inf, NaN, subnormals), bf16 / fp16 / fp32
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 #   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
-#   graphs-tests     pytest -m gpu tests/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
+#   graphs-tests     pytest -m gpu tests/patches/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
 #                    exactdit, exactdit + CUDA graphs
 #   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
@@ -47,7 +47,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
       timeout 400 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
     engine-equality)
       timeout 165 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
@@ -56,13 +56,13 @@ for stage in "$@"; do
       timeout 195 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
         --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
     engine-tests)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     rules-tests)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -rf 2>&1 | \
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)
       timeout 240 python3 benchmarks/engine_equality.py --model ernie --config full --forward 1024x1024x1 512x512x1 \
@@ -79,7 +79,7 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/zimage_padded_equality.log" | tail -3 ;;
     graphs-tests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/patches/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;
     graphs-bench)
       timeout 240 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 \
@@ -114,9 +114,9 @@ for stage in "$@"; do
           tee -a "$OUT/minis_profile.log" | grep -E "left to|model|^\|" | head -40
       done ;;
     rows-adjacent)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -k rows_adjacent -rf 2>&1 | \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -k rows_adjacent -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rows_adjacent.log" | tail -6
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py \
         -k "hunyuan or wan-vace or skyreels or sana or pixart" -rf 2>&1 | grep -v Warn | tee "$OUT/gpu_minis_rows_adjacent.log" | tail -6
       timeout 240 python3 benchmarks/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
         grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"

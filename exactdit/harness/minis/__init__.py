@@ -4,7 +4,7 @@ The fully specified models (:mod:`exactdit.harness.models`: Flux.1, Qwen-Image, 
 ERNIE-Image, ...) carry production configs, pipelines and sampling. A mini model is only what a
 compatibility check needs: the class, a tiny config (two or more repeated blocks, small widths)
 and a function giving one forward's keyword arguments. Everything model-specific is data here;
-the checks that run them are generic (``tests/test_minis.py`` on the CPU, ``tests/test_gpu_minis.py``).
+the checks that run them are generic (``tests/harness/test_minis.py`` on the CPU, ``tests/harness/test_gpu_minis.py``).
 Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
 """
 

@@ -1,5 +1,5 @@
 """CUDA-graph mode, what the CPU can check: when a call may not be replayed from a graph and why,
-and that such calls run the model unchanged (replays themselves: tests/test_gpu_cuda_graphs.py)."""
+and that such calls run the model unchanged (replays themselves: tests/patches/test_gpu_cuda_graphs.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ tiny models' blocks on the CPU, compiles every region kernel the engine generate
 through Triton's normal pipeline, and prints one JSON object per kernel: ok/error and counts of
 the PTX instructions the numerics rely on. Run as a script (``python tests/compile_for_gpu.py
 [--minis name,...]``): TRITON_INTERPRET must be
-unset before Triton is imported, so tests call it in a subprocess (tests/test_compile_for_gpu.py).
+unset before Triton is imported, so tests call it in a subprocess (tests/device/test_compile_for_gpu.py).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def engine_launches():
         video = dict(num_frames=5) if models.get_spec(name).video else {}
         kw = models.forward_inputs(name, tr, batch=2, height=32, width=32, **video)
         graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw)]
-    for name in mini_names:  # mini models in both dtypes (tests/test_minis.py)
+    for name in mini_names:  # mini models in both dtypes (tests/harness/test_minis.py)
         for dtype in (torch.bfloat16, torch.float32):
             tr = minis.build(name, dtype=dtype)
             graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, minis.forward_inputs(name, tr))]

@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _compiler_env() -> dict:
     """The environment for a compiling subprocess: no TRITON_INTERPRET, the repository importable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -14,8 +14,8 @@ import exactdit
 from exactdit.cli import main
 from exactdit.device.numerics import INTERPRET
 
-REPO = Path(__file__).resolve().parents[1]
-FIX = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).resolve().parents[2]
+FIX = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")

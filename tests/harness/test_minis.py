@@ -18,7 +18,7 @@ from tests.engine_helpers import assert_recaptured_blocks_fall_back, capture_gra
 NAMES = list(minis.MINIS)
 #: held to CUDA's orders in the interpreter, one per kind of graph the others repeat (the
 #: interpreter runs each row-per-program kernel program by program: 1-3 minutes per model);
-#: tests/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
+#: tests/harness/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
 #: RMSNorm of permuted q/k; flux2: SwiGLU, per-head norms with 4-axis RoPE; hunyuan-video: token
 #: refiner, sliced cats; ltx-video: RMSNorm across heads; lumina2: grouped-query, sandwich norms;
 #: cogvideox: values handed to ATen; pixart-sigma: BasicTransformerBlock; mochi: data-dependent

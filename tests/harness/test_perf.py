@@ -5,7 +5,7 @@ import pytest
 
 from exactdit.harness import perf
 
-FIX = Path(__file__).parent / "fixtures"
+FIX = Path(__file__).parents[1] / "fixtures"
 
 EXPECTED_TWO = """\
 | metric | perf_base.json (eager) | perf_new.json (patched) |

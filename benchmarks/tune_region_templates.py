@@ -35,6 +35,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
 from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import coverage, templates  # noqa: E402
+from exactdit.engine.templates import norms as norm_templates, pointwise as pointwise_template  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 from exactdit.device import trees as rms_k  # noqa: E402
 from exactdit.device import rows as rows_k  # noqa: E402
@@ -47,17 +48,17 @@ def _mean_variants():
             r = default(chunk, width).rows if rows is None else rows
             return templates.MeanLaunch(r, warps, unroll, rms_k.tail_block(chunk, width, r))
 
-        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", [(templates, "mean_launch_shape", shape)]
+        yield f"rows={rows or 'default'} warps={warps} unroll={unroll}", [(norm_templates, "mean_launch_shape", shape)]
 
 
 def _fused_rms_variants():
     for rows, warps in itertools.product([1, 2, 4, 8, 16, 32], [2, 4, 8]):
-        yield f"rows={rows} warps={warps}", [(templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w))]
+        yield f"rows={rows} warps={warps}", [(norm_templates, "fused_rms_launch_shape", lambda width, r=rows, w=warps: (r, w))]
 
 
 def _layer_norm_rows_variants():
     for rows, warps in itertools.product([4, 8, 16, 32, 64], [1, 2, 4, 8]):
-        yield f"rows={rows} warps={warps}", [(templates, "layer_norm_rows_launch", lambda width, r=rows, w=warps: (r, w))]
+        yield f"rows={rows} warps={warps}", [(norm_templates, "layer_norm_rows_launch", lambda width, r=rows, w=warps: (r, w))]
 
 
 def _table_variants():
@@ -66,13 +67,13 @@ def _table_variants():
     for tiles, elements, warps in itertools.product([1, 2, 4, 8], [2048, 4096, 8192], [4, 8]):
         tile = dict(rows_k.ELEMENTWISE_TILE, elements=elements, num_warps=warps)
         yield (f"tiles={tiles} elements={elements} warps={warps}",
-               [(templates, "TABLE_TILES", tiles), (templates, "ELEMENTWISE_TILE", tile), (rows_k, "ELEMENTWISE_TILE", tile)])
+               [(pointwise_template, "TABLE_TILES", tiles), (pointwise_template, "ELEMENTWISE_TILE", tile), (rows_k, "ELEMENTWISE_TILE", tile)])
 
 
 def _rows_adjacent_variants():
     for tile, block in itertools.product([(32, 64), (64, 64), (64, 128), (128, 64)], [(8, 4), (16, 4), (16, 8), (32, 8)]):
         yield (f"tile={tile[0]}x{tile[1]} ln_rows={block[0]} ln_warps={block[1]}",
-               [(templates, "ROWS_ADJACENT_TILE", tile), (templates, "LAYER_NORM_ROW_BLOCK", block)])
+               [(pointwise_template, "ROWS_ADJACENT_TILE", tile), (norm_templates, "LAYER_NORM_ROW_BLOCK", block)])
 
 
 def _rows_adjacent(region) -> bool:

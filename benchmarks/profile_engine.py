@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
-from exactdit.engine import coverage  # noqa: E402
+from exactdit.engine import timing  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 
 
@@ -61,8 +61,8 @@ def main() -> None:
     os.environ["EXACTDIT_TRUST"] = "1"  # time the kernels; equality is bench_engine's job
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    measured = coverage.measure(tr, kw)
-    print("\n".join(coverage.summary_lines([g for g, _, _ in measured])), flush=True)
+    measured = timing.measure(tr, kw)
+    print("\n".join(timing.summary_lines([g for g, _, _ in measured])), flush=True)
     regions_out = []
     for graph, timer, partition in measured:
         values = {n.name: v for n, v in timer.values.items()}  # the partition is of a prepared copy

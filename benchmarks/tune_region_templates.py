@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
 from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
-from exactdit.engine import coverage, templates  # noqa: E402
+from exactdit.engine import templates, timing  # noqa: E402
 from exactdit.engine.templates import norms as norm_templates, pointwise as pointwise_template  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 from exactdit.device import trees as rms_k  # noqa: E402
@@ -103,7 +103,7 @@ def main() -> None:
     os.environ["EXACTDIT_TRUST"] = "1"  # equality is checked here, once per variant
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    measured = coverage.measure(tr, kw)
+    measured = timing.measure(tr, kw)
     graph, timer, partition = next(m for m in measured if args.graph in (None, m[0].name))
     values = {n.name: v for n, v in timer.values.items()}
     picks, variants = SWEEPS[args.template]

@@ -158,7 +158,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
     eagerly, one by one: CUDA events on a GPU, wall clock on the CPU)."""
     import torch
 
-    from exactdit.engine import coverage
+    from exactdit.engine import coverage, timing
     from exactdit.harness import models
     from exactdit.harness.demo import HarnessError, resolve_device
 
@@ -173,10 +173,10 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
                                    num_frames=frames or (5 if video and small else None), batch=batch)
     except (HarnessError, ValueError) as exc:
         raise _fail(exc) from None
-    measured = coverage.measure(tr, kw)
+    measured = timing.measure(tr, kw)
     for graph, timer, partition in measured:
         click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
-    click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))
+    click.echo("\n".join(timing.summary_lines([g for g, _, _ in measured])))
 
 
 @main.command()

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -31,35 +30,12 @@ from exactdit.engine.emit import (
     COMPLEX, FLOAT_DTYPES, FULL, ROW, SCALAR, Emitter, Unfusable, Val, dtype_of, f32, shape_of,
 )
 from exactdit.engine.indexing import Index, Ix, broadcast_index, linearize, reshape_index
+from exactdit.engine.rules import (  # noqa: F401  (the kinds, Rule and rule_for are read from here too)
+    CAT, POINTWISE, REDUCTION_OUTPUT, UNARY_TABLE, VIEW, Rule, register_item_rule, register_rule, rule_for,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-#: rule kinds, for the partitioner
-POINTWISE, VIEW, CAT, UNARY_TABLE, REDUCTION_OUTPUT = "pointwise", "view", "cat", "table", "reduction output"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    kind: str
-    emit: Callable[[Emitter, fx.Node, Index], Val]
-    #: why this node cannot be fused, or None
-    check: Callable[[fx.Node], str | None] = lambda node: None
-    #: the rule reproduces the CUDA kernel only, ATen's CPU kernel rounds differently for some
-    #: inputs (the gate then cannot check it on the CPU)
-    cuda_only: Callable[[fx.Node], bool] = lambda node: False
-
-
-_RULES: dict[Any, Rule] = {}
-
-
-def rule_for(node: fx.Node) -> Rule | None:
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        return _getitem_rule(node)
-    return _RULES.get(node.target)
-
 
 def why_not_fusable(node: fx.Node) -> str | None:
     """None when the engine can emit ``node``; else the reason."""
@@ -95,12 +71,7 @@ def _name(node: fx.Node) -> str:
 
 def _register(targets, rule: Rule) -> None:
     for t in targets:
-        _RULES[t] = rule
-
-
-def register_rule(target, rule: Rule) -> None:
-    """Add the rule of an op defined elsewhere (the reductions' outputs, in the templates)."""
-    _RULES[target] = rule
+        register_rule(t, rule)
 
 
 def _kwarg(node: fx.Node, name: str, position: int, default=None):
@@ -597,30 +568,32 @@ def _split_pieces(base: fx.Node) -> list[tuple[int, int]] | None:
     return list(zip(starts, sizes))
 
 
-def _getitem_rule(node: fx.Node) -> Rule | None:
-    base, k = node.args
-    if not isinstance(base, fx.Node) or base.op != "call_function":
-        return None
-    if base.target in (aten.split.Tensor, aten.split_with_sizes.default):
-        def index_of(n, index, base=base, k=k):
-            in_shape = shape_of(base.args[0])
-            d = _dim(base.args[2] if len(base.args) > 2 else 0, len(in_shape))
-            start = _split_pieces(base)[k][0]
-            out = list(index)
-            out[d] = index[d] + start
-            return tuple(out)
+def _split_item(base: fx.Node, k: int) -> Rule:
+    """Output ``k`` of a ``split``: a view of its input shifted along the split dim."""
+    def index_of(n, index, base=base, k=k):
+        in_shape = shape_of(base.args[0])
+        d = _dim(base.args[2] if len(base.args) > 2 else 0, len(in_shape))
+        start = _split_pieces(base)[k][0]
+        out = list(index)
+        out[d] = index[d] + start
+        return tuple(out)
 
-        return Rule(VIEW, lambda em, n, index: em.value(base.args[0], index_of(n, index)))
-    if base.target is aten.unbind.int:
-        def emit(em, n, index, base=base, k=k):
-            in_shape = shape_of(base.args[0])
-            d = _dim(base.args[1] if len(base.args) > 1 else 0, len(in_shape))
-            return em.value(base.args[0], index[:d] + (Ix.constant(k),) + index[d:])
+    return Rule(VIEW, lambda em, n, index: em.value(base.args[0], index_of(n, index)))
 
-        return Rule(VIEW, emit)
-    from exactdit.engine.templates import reduction_output_rule
 
-    return reduction_output_rule(base, k)
+def _unbind_item(base: fx.Node, k: int) -> Rule:
+    """Output ``k`` of an ``unbind``: its input at ``k`` along the unbound dim."""
+    def emit(em, n, index, base=base, k=k):
+        in_shape = shape_of(base.args[0])
+        d = _dim(base.args[1] if len(base.args) > 1 else 0, len(in_shape))
+        return em.value(base.args[0], index[:d] + (Ix.constant(k),) + index[d:])
+
+    return Rule(VIEW, emit)
+
+
+register_item_rule(aten.split.Tensor, _split_item)
+register_item_rule(aten.split_with_sizes.default, _split_item)
+register_item_rule(aten.unbind.int, _unbind_item)
 
 
 # --- cat / stack --------------------------------------------------------------------------------

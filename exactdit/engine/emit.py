@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.indexing import Index, Ix, broadcast_index, column_values, offset_code
+from exactdit.engine.rules import rule_for
 
 #: value shapes, ordered
 SCALAR, ROW, FULL = 0, 1, 2
@@ -215,8 +216,6 @@ class Emitter:
         elif node not in self.members:
             val = self.load(self.input_operand(node), index, dtype_of(node))
         else:
-            from exactdit.engine.aten_ops import rule_for
-
             rule = rule_for(node)
             if rule is None:
                 raise Unfusable(f"no rule for {node.target}", node)

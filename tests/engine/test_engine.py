@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import exactdit
 from exactdit import gate
-from exactdit.engine import coverage, tables, templates
+from exactdit.engine import coverage, tables, templates, timing
 from exactdit.engine.backend import rewrite
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
 from exactdit.harness import models
@@ -635,7 +635,7 @@ def test_per_token_modulation_read_in_pieces_fuses_into_each_consumer():
         left = next(line for line in report.lines() if "left to ATen" in line)
         assert re.search(r"\b(add|_to_copy) x", left) is None, left
     # the coverage report counts the captured sum, which no longer runs, as fused
-    assert all(g.share == 1.0 for g, _, _ in coverage.measure(tr, kw))
+    assert all(g.share == 1.0 for g, _, _ in timing.measure(tr, kw))
 
 
 def test_a_value_read_whole_and_in_pieces_is_computed_once():

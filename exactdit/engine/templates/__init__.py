@@ -11,7 +11,6 @@ from exactdit.engine.templates.norms import (  # noqa: F401
     LAYER_NORM_ROW_BLOCK, MeanLaunch, _fused_rms_norm, _layer_norm, _mean, fused_rms_launch_shape, layer_norm_rows_launch,
     mean_launch_shape, reduction_kind, why_not_reduction,
 )
-from exactdit.engine.templates.outputs import reduction_output_rule  # noqa: F401
 from exactdit.engine.templates.pointwise import ROWS_ADJACENT_TILE, TABLE_TILES, pointwise, rows_adjacent  # noqa: F401
 
 TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm": _fused_rms_norm, "mean": _mean}

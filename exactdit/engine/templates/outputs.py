@@ -7,18 +7,11 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import Emitter, Unfusable, Val, dtype_of
-from exactdit.engine.aten_ops import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.indexing import Index, Ix
+from exactdit.engine.rules import REDUCTION_OUTPUT, Rule, register_item_rule, register_rule
 from exactdit.engine.templates.norms import _row_form, why_not_reduction
 
 aten = torch.ops.aten
-
-
-def reduction_output_rule(base: fx.Node, k: int):
-    """Rule for ``getitem(base, k)`` when ``base`` is a reduction the templates compute; None
-    otherwise."""
-    make = _REDUCTION_OUTPUTS.get(base.target)
-    return None if make is None else make(base, k)
 
 
 def _row_stats(em: Emitter, red: fx.Node, row: Index) -> dict:
@@ -77,4 +70,6 @@ def _mean_output(em: Emitter, node: fx.Node, index: Index) -> Val:
     return _row_stats(em, node, index[:-1] if keepdim else index)["mean"]
 
 
+for _target, _make in _REDUCTION_OUTPUTS.items():
+    register_item_rule(_target, _make)
 register_rule(aten.mean.dim, Rule(REDUCTION_OUTPUT, _mean_output, lambda node: why_not_reduction(node)))

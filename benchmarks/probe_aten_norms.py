@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from exactdit.aten.gelu import gelu_candidates  # noqa: E402
 from exactdit.aten.norms import (  # noqa: E402
-    gelu_candidates,
     layer_norm_order_model,
     rms_norm_composite_model,
     rms_norm_order_model,

@@ -39,7 +39,7 @@ Conventions used below
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -66,9 +66,6 @@ __all__ = [
     "rms_norm_order_model",
     "rms_norm_composite_model",
     "layer_norm_order_model",
-    "gelu_order_model",
-    "gelu_candidates",
-    "GELU_K_ALPHA",
 ]
 
 
@@ -110,7 +107,7 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return s.to(F32)
 
 
-def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+def fp32_full(like: torch.Tensor, value: float) -> torch.Tensor:
     """An fp32 tensor holding ``fl32(value)`` (a real tensor, so that ``/`` is
     a true division on CUDA and ``+`` adds the fp32-rounded constant)."""
     return torch.full_like(like, value, dtype=F32)
@@ -271,7 +268,7 @@ def _rowwise_moments(x32: torch.Tensor):
     for k in range(n_iter):
         valid = (k * T + tid) < n
         v = xp[:, k, :]
-        nf = _full(v, float(k + 1))  # every thread with a k-th element has count k+1
+        nf = fp32_full(v, float(k + 1))  # every thread with a k-th element has count k+1
         delta = v - mean
         new_mean = mean + delta / nf
         new_m2 = fma_f32(delta, v - new_mean, m2)
@@ -335,14 +332,14 @@ def rms_norm_order_model(
     w32 = None if weight is None else weight.reshape(n).to(device=x.device, dtype=F32)
     if vectorized:
         s = _rms_vectorized_stats(rows, square_fma)
-        var = s / _full(s, float(n))
-        rstd = rsqrt(var + _full(var, eps))
+        var = s / fp32_full(s, float(n))
+        rstd = rsqrt(var + fp32_full(var, eps))
         y = rstd[:, None] * rows
         if w32 is not None:
             y = w32[None, :] * y
     else:
         mean, var = _rowwise_moments(rows)
-        rstd = rsqrt(fma_f32(mean, mean, var) + _full(var, eps))
+        rstd = rsqrt(fma_f32(mean, mean, var) + fp32_full(var, eps))
         y = rows * rstd[:, None]
         if w32 is not None:
             y = y * w32[None, :]
@@ -378,7 +375,7 @@ def rms_norm_composite_model(
     xf = _check_rows(x, n).to(F32)
     sq = xf * xf
     ms = mean_fn(sq) if mean_fn is not None else sq.mean(dim=-1, keepdim=True)
-    v = ms + _full(ms, eps)
+    v = ms + fp32_full(ms, eps)
     r = rsqrt(v)
     y = xf * r
     if weight is not None:
@@ -470,7 +467,7 @@ def _ln_vectorized_stats(x32: torch.Tensor, mean_fma: str, sigma_fma: bool):
     lanes = tuple(t.reshape(m, VEC_WARPS, WARP) for t in (mean, sig, c))
     per_warp = _warp_tree(lanes, comb)
     fm, fs, _fc = _cross_warp_4(per_warp, comb)
-    var = fs / _full(fs, float(n))
+    var = fs / fp32_full(fs, float(n))
     return fm, var
 
 
@@ -514,7 +511,7 @@ def layer_norm_order_model(
     b32 = None if bias is None else bias.reshape(n).to(device=dev, dtype=F32)[None, :]
     if vectorized:
         mean, var = _ln_vectorized_stats(rows, mean_fma, sigma_fma)
-        rstd = rsqrt(var + _full(var, eps))
+        rstd = rsqrt(var + fp32_full(var, eps))
         d = rows - mean[:, None]
         r = rstd[:, None].expand_as(d)
         t = r * d
@@ -528,7 +525,7 @@ def layer_norm_order_model(
             y = t
     else:
         mean, var = _rowwise_moments(rows)
-        rstd = rsqrt(var + _full(var, eps))
+        rstd = rsqrt(var + fp32_full(var, eps))
         d = rows - mean[:, None]
         t = d * rstd[:, None]
         w_ = w32.expand_as(t) if w32 is not None else torch.ones_like(t)
@@ -539,102 +536,3 @@ def layer_norm_order_model(
         shp = x.shape[:-1] + (1,)
         return y, mean.reshape(shp), rstd.reshape(shp)
     return y
-
-
-# ----------------------------------------------------------------------------
-# GELU (exact, erf)
-# ----------------------------------------------------------------------------
-
-#: ``constexpr opmath_t kAlpha = M_SQRT1_2`` -> fp32(1/sqrt(2)) = 0.70710677f
-GELU_K_ALPHA = float(torch.tensor(math.sqrt(0.5), dtype=F32))
-
-
-def _erf64(u: torch.Tensor) -> torch.Tensor:
-    return torch.erf(u.to(F64))
-
-
-def gelu_order_model(x: torch.Tensor, *, erf: Callable = torch.erf) -> torch.Tensor:
-    """``GeluCUDAKernelImpl`` (approximate='none'), opmath fp32, source order:
-
-      h = fl(x * 0.5f); u = fl(x * 0.70710677f); e = erff(u); s = fl(1 + e)
-      y = fl(h * s), then one cast to x.dtype
-
-    (source ``x * 0.5 * (1 + erf(x * kAlpha))``, left-associative; there is no
-    ``a*b + c`` for nvcc to contract.)  ``erf`` must be the GPU's ``erff``
-    (``torch.erf`` on a CUDA fp32 tensor calls the same ``::erf(float)``) for a
-    bit-exact result; on CPU torch.erf differs in the last bit sometimes.
-    Input: any float tensor; returns x.dtype.
-    """
-    return gelu_candidates(erf)["src"](x.to(F32)).to(x.dtype)
-
-
-def gelu_candidates(erf: Callable = torch.erf) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Candidate fp32 formulas for eager CUDA exact GELU; each takes an fp32
-    tensor and returns fp32 (round to the input dtype afterwards).  Every op is
-    a separate rounding unless named fma (exact single rounding via
-    :func:`fma_f32`) or computed in float64 (stated per candidate).
-
-    src         fl(fl(x*0.5) * fl(1 + erf(fl(x*a))))           a = 0.70710677f  (source order)
-    cdf_first   fl(x * fl(0.5 * fl(1 + erf(fl(x*a)))))
-    half_last   fl(0.5 * fl(x * fl(1 + erf(fl(x*a)))))         (== src: *0.5 is exact bar subnormals)
-    fma_h_e_h   h = fl(x*0.5); fma(h, erf(fl(x*a)), h)         (distributed; needs reassociation)
-    fma_x_e_x_h fl(0.5 * fma(x, erf(fl(x*a)), x))
-    u_div       u = fl(x / 1.4142135f) instead of fl(x*a)
-    u_f64       u = fl32(x * sqrt(0.5) in float64)
-    erf_f64     e = fl32(erf64(fl(x*a)))  (double erf, rounded) then src
-    all_f64     every step in float64, one rounding to fp32 at the end
-    """
-    a = GELU_K_ALPHA
-    sqrt2_32 = float(torch.tensor(math.sqrt(2.0), dtype=F32))
-
-    def _u(x):
-        return x * _full(x, a)
-
-    def _src_from(x, e):
-        h = x * _full(x, 0.5)
-        s = _full(x, 1.0) + e
-        return h * s
-
-    def src(x):
-        return _src_from(x, erf(_u(x)))
-
-    def cdf_first(x):
-        s = _full(x, 1.0) + erf(_u(x))
-        return x * (_full(x, 0.5) * s)
-
-    def half_last(x):
-        s = _full(x, 1.0) + erf(_u(x))
-        return _full(x, 0.5) * (x * s)
-
-    def fma_h_e_h(x):
-        h = x * _full(x, 0.5)
-        return fma_f32(h, erf(_u(x)), h)
-
-    def fma_x_e_x_h(x):
-        return _full(x, 0.5) * fma_f32(x, erf(_u(x)), x)
-
-    def u_div(x):
-        return _src_from(x, erf(x / _full(x, sqrt2_32)))
-
-    def u_f64(x):
-        u = (x.to(F64) * math.sqrt(0.5)).to(F32)
-        return _src_from(x, erf(u))
-
-    def erf_f64(x):
-        return _src_from(x, _erf64(_u(x)).to(F32))
-
-    def all_f64(x):
-        x64 = x.to(F64)
-        return (x64 * 0.5 * (1.0 + torch.erf(x64 * math.sqrt(0.5)))).to(F32)
-
-    return {
-        "src": src,
-        "cdf_first": cdf_first,
-        "half_last": half_last,
-        "fma_h_e_h": fma_h_e_h,
-        "fma_x_e_x_h": fma_x_e_x_h,
-        "u_div": u_div,
-        "u_f64": u_f64,
-        "erf_f64": erf_f64,
-        "all_f64": all_f64,
-    }

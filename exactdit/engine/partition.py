@@ -242,7 +242,7 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     otherwise one launch over the domain."""
     if split_cat is None or split_cat not in members:
         return [Launch(tuple(domain))]
-    from exactdit.engine.aten_ops import cat_pieces
+    from exactdit.engine.aten_views import cat_pieces
 
     dim, pieces = cat_pieces(split_cat)
     launches = []

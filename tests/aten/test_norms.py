@@ -17,11 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from exactdit.aten.gelu import GELU_K_ALPHA, gelu_candidates, gelu_order_model
 from exactdit.aten.norms import (
-    GELU_K_ALPHA,
     fma_f32,
-    gelu_candidates,
-    gelu_order_model,
     layer_norm_order_model,
     rms_norm_composite_model,
     rms_norm_order_model,

@@ -40,18 +40,19 @@ from exactdit.device.numerics import add_rn
 
 
 @triton.jit
-def _halving_tree(v, ROWS: tl.constexpr, OUTER: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    """``[ROWS, OUTER, N]`` -> ``[ROWS, OUTER]`` with ``N = 2**LOG_N``: element ``t`` adds
-    element ``t + off`` for off = N/2, N/4, ..., 1 (one fp32 add per pair: the sum over a
-    size-2 axis is exactly that add)."""
-    for k in tl.static_range(LOG_N):
-        v = tl.sum(tl.reshape(v, (ROWS, OUTER, 2, N >> (k + 1))), axis=2)
+def halving_tree(v, ROWS: tl.constexpr, OUTER: tl.constexpr, N: tl.constexpr):
+    """ATen's shuffle-down tree, the one every generated reduction uses: ``[ROWS, OUTER, N]`` ->
+    ``[ROWS, OUTER]`` (``N`` a power of two, at most 1024): element ``t`` adds element ``t + off``
+    for off = N/2, N/4, ..., 1 (one fp32 add per pair: the sum over a size-2 axis is exactly that
+    add). Lane 0's value is the result."""
+    for k in tl.static_range(10):
+        if (N >> k) > 1:
+            v = tl.sum(tl.reshape(v, (ROWS, OUTER, 2, N >> (k + 1))), axis=2)
     return tl.reshape(v, (ROWS, OUTER))
 
 
 @triton.jit
-def row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr,
-               LOG_BW: tl.constexpr, LOG_WY: tl.constexpr, VECTORIZED: tl.constexpr):
+def row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.constexpr, VECTORIZED: tl.constexpr):
     """Per-thread combine ``((a0 + a1) + a2) + a3``, then the lane tree, then the warp tree.
 
     Vectorized: ``acc`` is ``[ROWS, 4 T]`` with thread ``p``'s accumulator ``i`` at ``4 p + i``.
@@ -69,8 +70,20 @@ def row_total(acc, a1, a2, a3, ROWS: tl.constexpr, BW: tl.constexpr, WY: tl.cons
         s3 = a3
     per_thread = add_rn(add_rn(add_rn(s0, s1), s2), s3)
     # thread p = lane + warp * BW
-    lanes = _halving_tree(tl.reshape(per_thread, (ROWS, WY, BW)), ROWS, WY, BW, LOG_BW)
-    return tl.reshape(_halving_tree(tl.reshape(lanes, (ROWS, 1, WY)), ROWS, 1, WY, LOG_WY), (ROWS,))
+    lanes = halving_tree(tl.reshape(per_thread, (ROWS, WY, BW)), ROWS, WY, BW)
+    return tl.reshape(halving_tree(tl.reshape(lanes, (ROWS, 1, WY)), ROWS, 1, WY), (ROWS,))
+
+
+@triton.jit
+def block_sum(acc, ROWS: tl.constexpr, LANES: tl.constexpr):
+    """The block reduction of ATen's vectorized norm kernel over per-thread sums ``acc``
+    [ROWS, LANES] (``F.rms_norm``): the tree per 32-lane warp, then the warp sums folded in
+    halves, ``(w0 + w2) + (w1 + w3)``. Returns [ROWS]."""
+    if LANES > 32:
+        per_warp = halving_tree(tl.reshape(acc, (ROWS * (LANES // 32), 1, 32)), ROWS * (LANES // 32), 1, 32)
+        return tl.reshape(halving_tree(tl.reshape(per_warp, (ROWS, 1, LANES // 32)), ROWS, 1, LANES // 32), (ROWS,))
+    else:
+        return tl.reshape(halving_tree(tl.reshape(acc, (ROWS, 1, LANES)), ROWS, 1, LANES), (ROWS,))
 
 
 def tail_block(chunk: int, width: int, rows: int) -> int:

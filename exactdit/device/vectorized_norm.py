@@ -18,11 +18,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from exactdit.aten.norms import VEC_THREADS
 from exactdit.device.rows import vector_elements
 from exactdit.device.numerics import add_rn, mul_rn, round_to
 
-#: threads per row of ATen's vectorized norm kernel, and elements per vector.
-THREADS = 128
+#: threads per row of ATen's vectorized norm kernel
+THREADS = VEC_THREADS
 #: ``acc = fma(v, v, acc)`` (nvcc contracts the source's ``acc + v * v``); False: mul then add.
 #: Only fp32 inputs (or squares below the fp32 normal range) can tell the two apart.
 SQUARE_FMA = True
@@ -30,27 +31,6 @@ SQUARE_FMA = True
 #: (``bench_rope_geglu.py --tune`` on an H200).
 ROW_BLOCK_ELEMENTS = 2048  # 53.7 us at 1 x 4224 x 32 x 128 against 57.7 us for 4096 (same run)
 NUM_WARPS = 4
-
-
-@triton.jit
-def _halving_tree(a, ROWS: tl.constexpr, L: tl.constexpr):
-    """Shuffle-down tree over the last axis of ``a`` [ROWS, L] (L a power of two): lane l adds
-    lane l + L/2, then l + L/4, ... Returns [ROWS], lane 0's value."""
-    for level in tl.static_range(8):
-        if (L >> level) > 1:
-            a = tl.sum(tl.reshape(a, [ROWS, 2, L >> (level + 1)]), axis=1)
-    return tl.reshape(a, [ROWS])
-
-
-@triton.jit
-def block_sum(acc, ROWS: tl.constexpr, LANES: tl.constexpr):
-    """ATen's block reduction of per-thread sums ``acc`` [ROWS, LANES]: a shuffle-down tree per
-    32-lane warp, then the warp sums folded in halves, ``(w0 + w2) + (w1 + w3)``."""
-    if LANES > 32:
-        per_warp = _halving_tree(tl.reshape(acc, [ROWS * (LANES // 32), 32]), ROWS * (LANES // 32), 32)
-        return _halving_tree(tl.reshape(per_warp, [ROWS, LANES // 32]), ROWS, LANES // 32)
-    else:
-        return _halving_tree(acc, ROWS, LANES)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from exactdit.aten.norms import VEC_THREADS
 from exactdit.device.rows import lanes_exchanged, vector_elements
 from exactdit.device.numerics import INTERPRET, add_rn, div_rn, mul_rn, rsqrt_approx, sub_rn
 
@@ -39,7 +40,7 @@ _MEAN_FMA = {"none": MEAN_FMA_NONE, "first": MEAN_FMA_FIRST, "second": MEAN_FMA_
 #: and fp32, widths 64..6144.
 CHOICES = {"mean_fma": "first", "sigma_fma": True, "rcp_approx": False}
 
-THREADS = 128  # ATen's block: 4 warps of 32 threads
+THREADS = VEC_THREADS  # ATen's block: 4 warps of 32 threads
 #: warps per program. The kernel's tensors model ATen's 128 threads whatever the warp count (a
 #: layout choice that changes no bits), so fewer warps means each thread plays several of them.
 NUM_WARPS = 4

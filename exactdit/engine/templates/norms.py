@@ -132,7 +132,7 @@ def _launch_reduction(region: Region, launch: Launch) -> fx.Node:
     """The reduction whose rows this launch computes (the one feeding its cat piece)."""
     if launch.pieces:
         cat, k = launch.pieces[0]
-        from exactdit.engine.aten_ops import cat_pieces
+        from exactdit.engine.aten_views import cat_pieces
 
         piece_input = cat_pieces(cat)[1][k][0]
         found = [r for r in region.reductions if _feeds(r, piece_input, set(region.nodes))]
@@ -448,7 +448,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
         x = t.reduction_input(em, index)
         code.line(f"acc = rope_k.thread_sums_from_tile(tl.where(mask, {x}, 0.0), {block_r}, {lanes}, "
                   f"{rope_k.SQUARE_FMA})")
-        code.line(f"var = div_rn(rope_k.block_sum(acc, {block_r}, {lanes}), tl.full((), {width}, tl.float32))")
+        code.line(f"var = div_rn(rms_k.block_sum(acc, {block_r}, {lanes}), tl.full((), {width}, tl.float32))")
         code.line("rstd_r = rsqrt_approx(add_rn(var, eps))[:, None]")
         t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
         t.epilogue(em, index)
@@ -469,7 +469,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     code.extend(body)
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")
-    code.line(f"var = div_rn(rope_k.block_sum(acc, {block_r}, {threads}), tl.full((), {width}, tl.float32))")
+    code.line(f"var = div_rn(rms_k.block_sum(acc, {block_r}, {threads}), tl.full((), {width}, tl.float32))")
     code.line("rstd_r = rsqrt_approx(add_rn(var, eps))[:, None]")
     t.set_stats(row, rstd=Val("rstd_r", torch.float32, 1))
     tile = min(block_n, 2048)
@@ -558,8 +558,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
         body.line(f"{acc} = add_rn({acc}, tl.where(mask1, {x}, 0.0))")
         code.extend(body)
     bw, wy = cfg.block_width, cfg.warps_per_row
-    code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bw.bit_length() - 1}, "
-              f"{wy.bit_length() - 1}, {bool(cfg.vectorize_input)})")
+    code.line(f"total = rms_k.row_total(acc, a1, a2, a3, {rows}, {bw}, {wy}, {bool(cfg.vectorize_input)})")
     code.line(f"mean_r = mul_rn(total, {f32_literal(factor)})[:, None]")
     if t.early:
         code.line("tl.debug_barrier()  # pass 1's stores are visible to every thread")

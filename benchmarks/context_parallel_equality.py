@@ -37,9 +37,7 @@ def main() -> None:
     ap.add_argument("--backend", default=None, choices=["nccl", "gloo"])
     args = ap.parse_args()
     rank, world, device = cp.init_distributed(args.backend)
-    from exactdit import gate
-    from exactdit.engine import coverage
-    from exactdit.patches import engine
+    from exactdit import state
 
     geometry = dict(height=args.height, width=args.width, num_frames=args.frames, batch=args.batch)
     rows = []
@@ -49,7 +47,7 @@ def main() -> None:
                 print(f"{mode}: skipped, {UNSUPPORTED[args.model, mode]}", flush=True)
             continue
         for order in args.orders:
-            gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
+            state.reset(), torch._dynamo.reset()
             t = time.perf_counter()
             c = cp.compare(args.model, args.config, mode=mode, order=order, device=device,
                            attention_backend=args.ring_backend if mode == "ring" else None, **geometry)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from exactdit.device.numerics import INTERPRET
+from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
 
@@ -119,7 +120,8 @@ def arg_key(args: tuple) -> tuple:
 
 
 _lock = threading.Lock()
-_stats: dict[str, _OpStats] = {}
+#: op name -> its state (kept in the process state: exactdit.state.reset() clears it)
+_stats: dict[str, _OpStats] = STATE.signatures
 
 
 #: os.environ's own store (POSIX: bytes keys), read directly: ``os.environ.get`` costs ~2 us of
@@ -400,9 +402,3 @@ def reset_counts() -> None:
             st.fused = st.eager = 0
             st.served = itertools.count()
             st.eager_reasons.clear()
-
-
-def reset() -> None:
-    """Forget everything, verified and disabled signatures included (tests)."""
-    with _lock:
-        _stats.clear()

@@ -10,7 +10,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import pytest  # noqa: E402
 
-from exactdit import gate  # noqa: E402
+from exactdit import state  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1"
 #: Where kernel tests run: the GPU when there is one, else CPU tensors through the interpreter.
@@ -25,16 +25,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def fresh_gate(monkeypatch):
-    """Each test starts with no verified/disabled signatures, default switches, poisoned outputs."""
+def fresh_state(monkeypatch):
+    """Each test starts with nothing remembered (exactdit.state), default switches, poisoned outputs."""
     for name in ("EXACTDIT_DISABLE", "EXACTDIT_VERIFY_ALL", "EXACTDIT_TRUST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("EXACTDIT_POISON", "1")
-    gate.reset()
+    state.reset()
     yield
-    gate.reset()
-    from exactdit.engine import coverage
-    from exactdit.patches import engine
-
-    engine.reset()
-    coverage.reset()
+    state.reset()

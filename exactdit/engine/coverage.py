@@ -8,10 +8,12 @@ import threading
 
 import torch.fx as fx
 
+from exactdit.state import STATE
+
 _lock = threading.Lock()
-_graphs: list["GraphReport"] = []
+_graphs: list["GraphReport"] = STATE.graphs
 #: block label -> why it could not be captured whole (it runs as several graphs, see exactdit.patches.engine)
-_in_parts: dict[str, str] = {}
+_in_parts: dict[str, str] = STATE.in_parts
 
 
 def op_name(node: fx.Node) -> str:
@@ -97,9 +99,3 @@ def in_parts() -> dict[str, str]:
     """Blocks captured as several graphs (graph breaks), by label: why not as one."""
     with _lock:
         return dict(_in_parts)
-
-
-def reset() -> None:
-    with _lock:
-        _graphs.clear()
-        _in_parts.clear()

@@ -43,6 +43,7 @@ import torch
 from exactdit import gate
 from exactdit.engine import coverage
 from exactdit.engine.capture import repeated_blocks
+from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
 
@@ -91,7 +92,8 @@ class _ClassState:
         return self
 
 
-_states: dict[str, _ClassState] = {}
+#: block class -> its capture state (kept in the process state: exactdit.state.reset() clears it)
+_states: dict[str, _ClassState] = STATE.block_classes
 
 #: Dynamo keeps this many graphs per block (one per input shape) unless the user allows more;
 #: ``patch`` raises a lower ``torch._dynamo.config.recompile_limit`` to it (resolution buckets)
@@ -284,12 +286,6 @@ def _remove_inner_calls(module: torch.nn.Module) -> None:
                 setattr(ref, attr, getattr(ref, attr).forward)
     if isinstance(module.__dict__.get("forward"), InnerCall):
         module.forward = module.__dict__["forward"].forward
-
-
-def reset() -> None:
-    """Forget which block classes failed to capture (tests)."""
-    with _lock:
-        _states.clear()
 
 
 def _first_line(e: Exception) -> str:

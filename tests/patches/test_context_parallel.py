@@ -62,16 +62,14 @@ def _compare(cases: list) -> list[dict]:
     ring attention on the "_native_cudnn" backend, ATen's CPU flash attention as its op."""
     from diffusers.models import attention_dispatch
 
-    from exactdit import gate
-    from exactdit.engine import coverage
+    from exactdit import state
     from exactdit.harness.context_parallel import compare, use_gloo_stand_ins
-    from exactdit.patches import engine
 
     use_gloo_stand_ins(torch.device("cpu"))
     attention_dispatch._cudnn_attention_forward_op = _attention_with_lse_on_cpu
     results = []
     for model, mode, order, build in cases:
-        gate.reset(), engine.reset(), coverage.reset(), torch._dynamo.reset()
+        state.reset(), torch._dynamo.reset()
         c = compare(model, mode=mode, order=order, seed=3, batch=1, **build)
         results.append(dict(model=model, mode=mode, order=order, equal=c.equal, fused=c.fused_regions,
                             failed=c.failed_graphs, reasons=c.eager_reasons))

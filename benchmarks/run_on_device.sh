@@ -50,10 +50,10 @@ for stage in "$@"; do
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
       timeout 400 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
     engine-equality)
-      timeout 165 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
+      timeout 165 python3 benchmarks/models/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
         --sample-steps 28 --test-configs 2>&1 | grep -v Warn | tee "$OUT/flux_equality.log" | tail -8 ;;
     engine-bench)
-      timeout 195 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
+      timeout 195 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
         --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
@@ -65,52 +65,52 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)
-      timeout 240 python3 benchmarks/engine_equality.py --model ernie --config full --forward 1024x1024x1 512x512x1 \
+      timeout 240 python3 benchmarks/models/engine_equality.py --model ernie --config full --forward 1024x1024x1 512x512x1 \
         2>&1 | grep -v Warn | tee "$OUT/ernie_equality.log" | tail -4 ;;
     engine-chroma)
-      timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
+      timeout 30 python3 benchmarks/models/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
         tee "$OUT/chroma_equality.log" | tail -4 ;;
     qwen-edit)
-      timeout 240 python3 benchmarks/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
+      timeout 240 python3 benchmarks/models/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
         2>&1 | grep -v Warn | tee "$OUT/qwen_edit_equality.log" | tail -4 ;;
     padded-text)
-      timeout 150 python3 benchmarks/engine_equality.py --model qwen --config full --forward 1328x1328x2 --text-len 128 37 \
+      timeout 150 python3 benchmarks/models/engine_equality.py --model qwen --config full --forward 1328x1328x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/qwen_padded_equality.log" | tail -3
-      timeout 150 python3 benchmarks/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
+      timeout 150 python3 benchmarks/models/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/zimage_padded_equality.log" | tail -3 ;;
     graphs-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/patches/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;
     graphs-bench)
-      timeout 240 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 \
+      timeout 240 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \
         --repeat 7 --compile --cuda-graphs --breakdown 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER|graphs" | \
         tee -a "$OUT/graphs_bench.log"
       for args in "--model flux --height 512 --width 512" "--model ernie --height 512 --width 512" \
                   "--model ernie --height 1024 --width 1024"; do
-        timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
+        timeout 120 python3 benchmarks/models/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
       done ;;
     host)
-      timeout 150 python3 benchmarks/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
+      timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)
-      timeout 200 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 \
+      timeout 200 python3 benchmarks/models/engine_equality.py --model flux --config full --forward 1024x1024x1 \
         --sample-steps 28 --cuda-graphs 2>&1 | grep -v Warn | tee "$OUT/flux_graphs_equality.log" | tail -6
-      timeout 200 python3 benchmarks/engine_equality.py --model ernie --config full --sample-steps 50 --cuda-graphs \
+      timeout 200 python3 benchmarks/models/engine_equality.py --model ernie --config full --sample-steps 50 --cuda-graphs \
         2>&1 | grep -v Warn | tee "$OUT/ernie_graphs_equality.log" | tail -4 ;;
     models-bench)
       for args in "--model qwen --height 1024 --width 1024" "--model zimage --height 1024 --width 1024" \
                   "--model wan --height 480 --width 832 --frames 33"; do
-        timeout 280 python3 benchmarks/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
+        timeout 280 python3 benchmarks/models/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs|built" | tee -a "$OUT/models_bench.log"
       done ;;
     minis-bench)
       for mini in ${MINIS:-sd3 ltx-video cogvideox hunyuan-video flux2}; do
-        timeout 240 python3 benchmarks/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
+        timeout 240 python3 benchmarks/models/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
           grep -E "^\||DISABLED|EAGER|built" | tee -a "$OUT/minis_bench.log"
       done ;;
     minis-profile)
       for mini in ${MINIS:-sd3 cogvideox hunyuan-video}; do
-        timeout 240 python3 benchmarks/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
+        timeout 240 python3 benchmarks/models/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
           tee -a "$OUT/minis_profile.log" | grep -E "left to|model|^\|" | head -40
       done ;;
     rows-adjacent)
@@ -118,20 +118,20 @@ for stage in "$@"; do
         grep -v Warn | tee "$OUT/gpu_rows_adjacent.log" | tail -6
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py \
         -k "hunyuan or wan-vace or skyreels or sana or pixart" -rf 2>&1 | grep -v Warn | tee "$OUT/gpu_minis_rows_adjacent.log" | tail -6
-      timeout 240 python3 benchmarks/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
+      timeout 240 python3 benchmarks/models/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
         grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"
-      timeout 240 python3 benchmarks/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
+      timeout 240 python3 benchmarks/kernels/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
         --graph HunyuanVideoTransformerBlock 2>&1 | grep -v Warn | tee "$OUT/tune_rows_adjacent.log" | tail -40 ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
                   "--model ernie --height 1024 --width 1024"; do
-        timeout 420 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --config full $args --repeat 5 \
+        timeout 420 torchrun --nproc-per-node 2 benchmarks/parallel/bench_context_parallel.py --config full $args --repeat 5 \
           2>&1 | grep -E "^\||GPU|skipped|x2" | tee -a "$OUT/context_parallel.log"
       done ;;
     cp-one-gpu)
       for args in "--model flux --height 1024 --width 1024" "--model ernie --height 1024 --width 1024" \
                   "--model wan --height 480 --width 832 --frames 33"; do
-        timeout 300 torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --backend gloo --config full \
+        timeout 300 torchrun --nproc-per-node 2 benchmarks/parallel/context_parallel_equality.py --backend gloo --config full \
           --modes ulysses ring $args 2>&1 | grep -E "^\||exitcode" | tee -a "$OUT/context_parallel_equality.log"
       done ;;
   esac

@@ -1,5 +1,5 @@
 """Order model of ATen's exact (erf) GELU on CUDA (``GeluCUDAKernelImpl``, approximate='none'),
-and the candidate evaluation orders the GPU probe (``benchmarks/probe_aten_norms.py``) told apart."""
+and the candidate evaluation orders the GPU probe (``benchmarks/probes/probe_aten_norms.py``) told apart."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ was added in 2.8), ``aten/src/ATen/native/layer_norm.cpp`` (same fork @
 0d188885), ``ActivationGeluKernel.cu`` (pytorch/pytorch @ 043e4c88 and
 eellison/pytorch @ 6e52f80e: same GELU expression), and ``block_reduce.cuh``,
 ``SharedReduceOps.h``, ``thread_constants.h`` from the installed torch 2.13
-headers.  Claims the GPU probe (``benchmarks/probe_aten_norms.py``) has not
+headers.  Claims the GPU probe (``benchmarks/probes/probe_aten_norms.py``) has not
 confirmed are marked LEAD.
 
 Conventions used below

@@ -1,6 +1,6 @@
 """How much of a model's eager time the engine fuses: each captured block graph run eagerly op by
 op, its time split into GEMMs and attention, the ops the engine's regions replace, and the ops left
-to ATen (``exactdit coverage``, ``benchmarks/profile_engine.py``)."""
+to ATen (``exactdit coverage``, ``benchmarks/models/profile_engine.py``)."""
 
 from __future__ import annotations
 

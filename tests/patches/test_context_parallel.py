@@ -150,7 +150,7 @@ def test_ernie_plan_names_the_arguments_diffusers_passes():
 
 
 def test_equality_script_runs_under_torchrun(tmp_path):
-    """benchmarks/context_parallel_equality.py, which the device runs (two ranks sharing one GPU
+    """benchmarks/parallel/context_parallel_equality.py, which the device runs (two ranks sharing one GPU
     over gloo where two GPUs are not lent), on two CPU processes: every rank equal and fused."""
     import subprocess
     import sys
@@ -159,7 +159,7 @@ def test_equality_script_runs_under_torchrun(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=root)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
-         str(_free_port()), os.path.join(root, "benchmarks", "context_parallel_equality.py"), "--model", "flux",
+         str(_free_port()), os.path.join(root, "benchmarks", "parallel", "context_parallel_equality.py"), "--model", "flux",
          "--config", "tiny", "--height", "64", "--width", "64", "--modes", "ulysses", "--backend", "gloo"],
         capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -91,7 +91,7 @@ def _rows_of_contiguous_columns(val: torch.Tensor) -> bool:
     (a permuted contiguous tensor: q/k after ``transpose(1, 2)`` in SD3's processor). ATen's
     reduction configuration depends on the row count, the row width and the reduced dim's stride,
     and every row then starts at a multiple of the width, as in a contiguous tensor: the same order
-    per row (``benchmarks/probe_permuted_mean.py`` checks it on the GPU)."""
+    per row (``benchmarks/probes/probe_permuted_mean.py`` checks it on the GPU)."""
     if val.is_contiguous():
         return True
     dims = sorted((st, n) for n, st in zip(val.shape, val.stride()) if n != 1)
@@ -496,7 +496,7 @@ class MeanLaunch:
 
 
 def mean_launch_shape(chunk: int, width: int) -> MeanLaunch:
-    """The "mean" template's launch, chosen with ``benchmarks/tune_region_templates.py`` on
+    """The "mean" template's launch, chosen with ``benchmarks/kernels/tune_region_templates.py`` on
     Z-Image-Turbo's and ERNIE-Image's regions at 1024^2 (H200):
     * rows of one chunk (q/k norms of 128 + complex RoPE): 8 rows per program, 4 warps (18.6 us,
       1.22x the memory floor; 16 rows 20.1, 2 rows 51.8);

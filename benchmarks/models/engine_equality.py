@@ -1,9 +1,9 @@
 """GPU proof that ``exactdit.patch`` (the engine) leaves a model's output bit-identical.
 
-    python3 benchmarks/engine_equality.py --model flux --config full \\
+    python3 benchmarks/models/engine_equality.py --model flux --config full \\
         --forward 1024x1024x1 768x1360x2 --sample-steps 28 --test-configs
-    python3 benchmarks/engine_equality.py --model qwen --edit --forward 1024x1024x1   # Qwen-Image-Edit-2511
-    python3 benchmarks/engine_equality.py --model qwen --forward 1328x1328x2 --text-len 128 37  # padded text
+    python3 benchmarks/models/engine_equality.py --model qwen --edit --forward 1024x1024x1   # Qwen-Image-Edit-2511
+    python3 benchmarks/models/engine_equality.py --model qwen --forward 1328x1328x2 --text-len 128 37  # padded text
 
 For the registered model (``exactdit.harness.models``, seeded random weights, bf16):
 * ``--forward HxWxB``: one transformer forward at that size, eager vs patched (``torch.equal``;
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.runner import environment, write_json  # noqa: E402
 from exactdit.harness import models  # noqa: E402
 from exactdit.harness.models import qwen  # noqa: E402
 from exactdit.harness.metrics import md5_tensor, outputs_equal  # noqa: E402

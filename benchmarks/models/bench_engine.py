@@ -1,8 +1,8 @@
 """One transformer forward through the engine against eager, the same run: equality and time.
 
-    python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
+    python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
         [--compile] [--cuda-graphs] [--repeat 10]
-    python3 benchmarks/bench_engine.py --mini sd3 --compile    # a mini's released model (SD3.5 Large) at 1024x1024
+    python3 benchmarks/models/bench_engine.py --mini sd3 --compile    # a mini's released model (SD3.5 Large) at 1024x1024
 
 Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``,
 or ``--mini``: a class of ``exactdit.harness.minis`` at its released model's config and typical size)
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.common import (add_model_args, append_results, environment, model_and_inputs, model_label,  # noqa: E402
+from benchmarks.runner import (add_model_args, append_results, environment, model_and_inputs, model_label,  # noqa: E402
                                outputs_equal, write_json)
 from exactdit.engine import coverage  # noqa: E402
 
@@ -73,7 +73,7 @@ def breakdown(forward) -> dict:
     """Kernel time of one forward by kind (GEMM, attention, the engine's regions, other ATen),
     idle gaps between kernels, and the median SM clock and board power while forwards run back to
     back: where the floor of the forward lies."""
-    from benchmarks.profiling import clocks_while, profile_once
+    from benchmarks.models.profiling import clocks_while, profile_once
 
     with torch.no_grad():
         prof = profile_once(forward)
@@ -170,7 +170,7 @@ def main() -> None:
     append_results([dict(model_or_op=model, shape=shape, dtype="bf16", path=r["path"], ms=r["ms"],
                          ratio=r["ratio_to_eager"], ratio_kind="eager_ms/ms", equal=r["equal"],
                          **{k: r[k] for k in ("first_call_s", "kernel_ms_by_kind", "idle_ms", "sm_mhz", "power_w", "graph_mib")
-                            if k in r}) for r in rows], "benchmarks/bench_engine.py")
+                            if k in r}) for r in rows], "benchmarks/models/bench_engine.py")
     write_json(f"bench_engine_{args.mini or args.model}_{'production' if args.mini else args.config}_b{args.batch}.json",
                {"rows": rows, "coverage": lines, "disabled": disabled, "eager": eager_calls})
 

@@ -1,6 +1,6 @@
 """exactdit under diffusers' context parallelism on CUDA: equality only, on every rank.
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --model flux --config full \\
+    torchrun --nproc-per-node 2 benchmarks/parallel/context_parallel_equality.py --model flux --config full \\
         --height 1024 --width 1024 --modes ulysses ring --backend gloo
 
 Each (mode, order) case builds the model on every rank (same seeded weights), enables context
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.bench_context_parallel import UNSUPPORTED  # noqa: E402
-from benchmarks.common import add_model_args, write_json  # noqa: E402
+from benchmarks.parallel.bench_context_parallel import UNSUPPORTED  # noqa: E402
+from benchmarks.runner import add_model_args, write_json  # noqa: E402
 from exactdit.harness import context_parallel as cp  # noqa: E402
 
 

@@ -3,7 +3,7 @@ a mini model's captured blocks, its kernels compiled for sm_90 and counted: layo
 (TTGIR), barriers, shuffles and shared memory (PTX). A proxy, not a time: it shows where a kernel
 moves data through shared memory.
 
-    python benchmarks/kernel_layout_counts.py --mini cogvideox \\
+    python benchmarks/kernels/kernel_layout_counts.py --mini cogvideox \\
         --set attention_head_dim=64 num_attention_heads=2 num_layers=2 --match layer_norm
 
 ``--set`` overrides the mini's tiny config (production widths give production kernels; keep two
@@ -20,7 +20,7 @@ import sys
 
 ROOT = __file__.rsplit("/benchmarks/", 1)[0]
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "device"))
 
 import compile_for_gpu  # noqa: E402  (sets TRITON_INTERPRET=0 before Triton is imported)
 import torch  # noqa: E402

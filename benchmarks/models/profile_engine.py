@@ -1,6 +1,6 @@
 """Where a model's time goes under the engine, block graph by block graph and region by region.
 
-    python3 benchmarks/profile_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
+    python3 benchmarks/models/profile_engine.py --model flux --config full --height 1024 --width 1024 --batch 1
 
 Captures the model's block graphs with real inputs, runs each graph op by op with CUDA events
 around every ATen op (eager's kernels), and reports
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
+from benchmarks.runner import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
 from exactdit.engine import timing  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Host time per call: a fused region through the gate, its bare Triton launches, eager ATen, and
 one CUDA-graph replay of a whole (tiny) transformer.
 
-    python3 benchmarks/bench_host_overhead.py [--calls 3000]
+    python3 benchmarks/kernels/bench_host_overhead.py [--calls 3000]
 
 Tensors are tiny ([1, 64] bf16) so the GPU never holds the host up: the wall time per call of a
 back-to-back loop is the host's cost. Everywhere, also the parts that need no GPU: the gate's bookkeeping
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import append_results  # noqa: E402
+from benchmarks.runner import append_results  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -140,7 +140,7 @@ def main() -> None:
     with torch.no_grad():
         row("CUDA-graph mode: model state check (Flux.1-dev, 1,160 tensors)",
             per_call_us(watch.state, 300, lambda: None), "flux full")
-    append_results(rows, "benchmarks/bench_host_overhead.py")
+    append_results(rows, "benchmarks/kernels/bench_host_overhead.py")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Run on the GPU machine from the repository root:
 
-    python3 benchmarks/probe_aten_reduce.py            # full grid
-    python3 benchmarks/probe_aten_reduce.py --quick    # a few shapes
+    python3 benchmarks/probes/probe_aten_reduce.py            # full grid
+    python3 benchmarks/probes/probe_aten_reduce.py --quick    # a few shapes
 
 Needs only torch (2.11 expected) and numpy. For every (M, D) it builds a fresh
 ``x = h.to(float32).pow(2)`` on the GPU (h bf16, rows with large dynamic
@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from exactdit.aten.reduce import (  # noqa: E402
     mean_factor,

@@ -1,8 +1,8 @@
 """Sweep the launch knobs of the engine's kernel templates on a model's own regions.
 
-    python3 benchmarks/tune_region_templates.py --template mean --model zimage --config full --height 1024 --width 1024
-    python3 benchmarks/tune_region_templates.py --template fused_rms_norm --model wan-1.3b --height 480 --width 832 --frames 81
-    python3 benchmarks/tune_region_templates.py --template tables --model wan-1.3b --height 480 --width 832 --frames 81
+    python3 benchmarks/kernels/tune_region_templates.py --template mean --model zimage --config full --height 1024 --width 1024
+    python3 benchmarks/kernels/tune_region_templates.py --template fused_rms_norm --model wan-1.3b --height 480 --width 832 --frames 81
+    python3 benchmarks/kernels/tune_region_templates.py --template tables --model wan-1.3b --height 480 --width 832 --frames 81
 
 ``--template`` picks the regions of the model's first block graph and the knob swept:
 * ``mean`` (decomposed RMSNorm): rows per program, warps, loop unroll (``templates.mean_launch_shape``);
@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
-from benchmarks.profile_engine import gpu_ms, nbytes  # noqa: E402
+from benchmarks.runner import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
+from benchmarks.models.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import templates, timing  # noqa: E402
 from exactdit.engine.templates import norms as norm_templates, pointwise as pointwise_template  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402

@@ -8,11 +8,12 @@ the reduced dim's stride, not on how the rows are laid out, so the per-row order
 contiguous one (which :mod:`exactdit.aten.reduce` models). This checks it bit for bit over many
 shapes and layouts. Prints one line per case and writes ``$OUT/probe_permuted_mean.json``.
 
-    python3 benchmarks/probe_permuted_mean.py
+    python3 benchmarks/probes/probe_permuted_mean.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -30,6 +31,7 @@ def layouts(B: int, S: int, H: int, D: int, g: torch.Generator):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     shapes = [(1, 1, 1, 64), (2, 7, 3, 64), (1, 333, 24, 64), (2, 4096, 24, 64), (1, 4429, 38, 64),

@@ -3,7 +3,7 @@
 Run on the H200 from the repository root (needs torch with CUDA and numpy
 only; triton is used for one optional check if importable):
 
-    python benchmarks/probe_aten_norms.py
+    python benchmarks/probes/probe_aten_norms.py
 
 Sections
   (0) dispatch: which CUDA kernels F.rms_norm / F.layer_norm launch
@@ -22,13 +22,13 @@ Writes $OUT/probe_aten_norms.json when $OUT is set.  Target: < 60 s.
 from __future__ import annotations
 
 import json
+import argparse
 import os
 import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -388,7 +388,9 @@ def main():
         RESULTS["env"] = {"torch": torch.__version__, "device": DEV, "smoke_test_only": True}
     log(RESULTS["env"])
     probes = [probe_dispatch, probe_rms, probe_ln, probe_ln_bias_only, probe_gelu]
-    wanted = sys.argv[1:]  # probe function names, e.g. probe_ln_bias_only; none: all
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("probes", nargs="*", help="probe function names, e.g. probe_ln_bias_only; none: all")
+    wanted = ap.parse_args().probes
     for probe in probes:
         if not wanted or probe.__name__ in wanted:
             probe()

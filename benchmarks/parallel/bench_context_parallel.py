@@ -1,6 +1,6 @@
 """exactdit under diffusers' context parallelism on several GPUs: equality and time, same run.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --model flux --config full \\
+    torchrun --nproc-per-node 2 benchmarks/parallel/bench_context_parallel.py --model flux --config full \\
         --height 1024 --width 1024 --modes ulysses ring
 
 In one torchrun job: first rank 0 alone times eager and exactdit on one GPU (the single-GPU
@@ -24,8 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.bench_engine import first_call_s, forward_ms  # noqa: E402
-from benchmarks.common import add_model_args, append_results, model_and_inputs, outputs_equal, write_json  # noqa: E402
+from benchmarks.models.bench_engine import first_call_s, forward_ms  # noqa: E402
+from benchmarks.runner import add_model_args, append_results, model_and_inputs, outputs_equal, write_json  # noqa: E402
 from exactdit.harness import context_parallel as cp  # noqa: E402
 
 #: (model, mode) pairs diffusers cannot run, with the reason
@@ -98,7 +98,7 @@ def main() -> None:
                              ratio=r["eager_ms"] / ms, ratio_kind="eager_ms/ms", equal=r["equal"] if path != "eager"
                              else True, gpus=r["gpus"]) for r in rows
                         for path, ms in (("eager", r["eager_ms"]), ("exactdit", r["exactdit_ms"]))],
-                       "benchmarks/bench_context_parallel.py")
+                       "benchmarks/parallel/bench_context_parallel.py")
         write_json(f"bench_context_parallel_{args.model}_{args.config}.json", {"rows": rows})
     dist.barrier()  # a rank that leaves while rank 0 still writes can abort its peer
     dist.destroy_process_group()

@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch.nn.modules import module as _nn_module
 
 from exactdit import gate
+from exactdit.patches import diffusers_internals
 from exactdit.patches.engine import _first_line
 
 logger = logging.getLogger("exactdit")
@@ -264,9 +265,9 @@ class _ModelWatch:
 def _hook_a_graph_cannot_hold(attrs: dict) -> str | None:
     if attrs.get("_hf_hook") is not None:
         return "an accelerate hook (offloading) moves weights between calls"
-    registry = attrs.get("_diffusers_hook")
-    if registry is not None and registry.hooks:
-        return f"diffusers hooks ({', '.join(registry.hooks)}) run Python between kernels"
+    hooks = diffusers_internals.hook_names(attrs)
+    if hooks:
+        return f"diffusers hooks ({', '.join(hooks)}) run Python between kernels"
     if "forward" in attrs:
         return "a forward replaced on an instance (a hook) runs Python between kernels"
     if attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:

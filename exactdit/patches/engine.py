@@ -43,6 +43,7 @@ import torch
 from exactdit import gate
 from exactdit.engine import coverage
 from exactdit.engine.capture import repeated_blocks
+from exactdit.patches import diffusers_internals
 from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
@@ -260,12 +261,11 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
     module = call.module
     if isinstance(module.__dict__.get("forward"), InnerCall):  # its hook was removed since
         module.forward = module.__dict__["forward"].forward  # what diffusers puts back without exactdit
-    registry = module.__dict__.get("_diffusers_hook")
-    refs = getattr(registry, "_fn_refs", None)
+    refs = diffusers_internals.hook_chain(module)
     if "forward" not in module.__dict__ or not refs:
         return False
     first = refs[0]
-    attr = "original_forward" if getattr(first, "original_forward", None) is not None else "forward"
+    attr = diffusers_internals.innermost_attr(first)
     inner = getattr(first, attr, None)
     if isinstance(inner, InnerCall):
         if inner.owner is call:
@@ -280,8 +280,8 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
 def _remove_inner_calls(module: torch.nn.Module) -> None:
     """Put the class forward back where an :class:`InnerCall` holds it (the hook chain, or the
     module itself after a hook was removed)."""
-    for ref in getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ():
-        for attr in ("forward", "original_forward"):
+    for ref in diffusers_internals.hook_chain(module):
+        for attr in diffusers_internals.INNER_ATTRS:
             if isinstance(getattr(ref, attr, None), InnerCall):
                 setattr(ref, attr, getattr(ref, attr).forward)
     if isinstance(module.__dict__.get("forward"), InnerCall):

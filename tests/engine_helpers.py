@@ -312,3 +312,25 @@ POINTWISE_GRAPHS = {
 
 #: graphs whose transcendental functions are tables of bf16 / fp16 values (fp32 stays with ATen)
 HALF_ONLY_GRAPHS = ("gelu tanh times up", "silu times up", "tanh gate", "cat on the last dim")
+
+
+def rewritten_run(build, inputs, sources: list | None = None, kernels: list | None = None):
+    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`rewrite_and_check`);
+    the generated kernels (their sources) are appended to ``kernels`` (``sources``)."""
+    b = GraphBuilder()
+    nodes = [b.input(t) for t in inputs]
+    gm = b.module(*build(b, *nodes))
+    report = rewrite_and_check(gm, inputs)
+    generated = [k for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
+                 for _, k in n.target.exactdit_region.kernels()]
+    if sources is not None:
+        sources.extend(k.source for k in generated)
+    if kernels is not None:
+        kernels.extend(generated)
+    return report
+
+
+def assert_partners_move_between_lanes(sources, move="rows_k.pair_"):
+    """The rotary partner is moved between lanes of the tile: no gather, no second load of the row."""
+    assert any(move in s for s in sources), sources
+    assert not any("tl.gather" in s for s in sources), sources

@@ -1,5 +1,5 @@
 """Launch plans' link to Triton: the calling convention is read from the installed Triton, and
-anything else keeps launching through ``fn[grid]`` (the plans themselves: tests/engine/test_engine.py)."""
+anything else keeps launching through ``fn[grid]`` (the plans themselves: tests/engine/test_runtime.py)."""
 
 import pytest
 import torch

@@ -23,9 +23,11 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #: keeps a quick representative in the default run (e.g. the engine's small-graph tests, one
 #: patched model in test_patch_unpatch_and_report_on_a_model, selfcheck's eager-only test).
 SLOW = frozenset(line.strip() for line in """
+tests/aten/test_norms.py::test_layer_norm_combine_variants_change_bits
 tests/aten/test_reduce.py::test_each_element_counted_once
 tests/device/test_compile_for_gpu.py::test_engine_kernels_compile_without_flush_to_zero
 tests/device/test_compile_for_gpu.py::test_mini_model_kernels_compile
+tests/device/test_numerics.py::test_dtype_ops_equal_eager_ops
 tests/patches/test_engine_blocks.py::test_a_block_with_a_graph_break_is_captured_in_parts
 tests/patches/test_engine_blocks.py::test_caches_on_blocks_run_with_the_blocks_captured
 tests/engine/test_captured_models.py::test_captured_blocks_equal_cuda_order

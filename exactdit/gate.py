@@ -52,7 +52,7 @@ class ExactditMismatchWarning(RuntimeWarning):
 class FusedOp:
     """One fused op. Every callable takes the op's arguments as the public function got them.
 
-    name: key in :func:`report`.
+    name: key in :func:`exactdit.report`.
     reference: the eager PyTorch expression the kernel reproduces.
     fused: launches the Triton kernel and returns its output(s).
     unsupported: returns why the kernel cannot take these inputs, or None.

@@ -1,25 +1,20 @@
 #!/usr/bin/env bash
 # Everything the H200 runs, in stages, logs under $OUT (the device tool brings them back).
 #   bash benchmarks/run_on_device.sh tests     GPU test suite (torch.equal vs CUDA eager)
-#   bash benchmarks/run_on_device.sh ops       per-op benchmarks
-#   bash benchmarks/run_on_device.sh equality  full-model equality (ernie_equality.py)
-#   bash benchmarks/run_on_device.sh model     model benchmark + profile (bench_ernie.py, profile_ernie.py)
-#   bash benchmarks/run_on_device.sh ernie     equality + model
-#   bash benchmarks/run_on_device.sh ncu       Nsight Compute: throughput, stalls, instructions per kernel
 # The engine (exactdit.patch on any model; one 10-minute device call fits all five):
 #   engine-equality  Flux.1-dev forwards at 1024^2 B=1 and 768x1360 B=2, 28-step FluxPipeline md5, test configs
 #   engine-bench     Flux.1-dev 1024^2 B=1: eager, exactdit (kernel-time breakdown, clock, power), regional compile
-#   engine-tests     pytest -m gpu for the engine and the kernels it shares
-#   engine-ernie     ERNIE-Image through the engine: ernie_equality.py's md5s
+#   engine-tests     pytest -m gpu for the engine
+#   engine-ernie     ERNIE-Image 1024^2 and 512^2 through the engine: one forward each, equal to eager
 #   engine-chroma    diffusers' Chroma test configs
-#   minis-tests      pytest -m gpu tests/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
+#   minis-tests      pytest -m gpu tests/harness/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
 #                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
-#   rules-tests      tests/test_numerics.py and tests/test_gpu_engine_rules.py: each pointwise rule against the eager CUDA kernel,
+#   rules-tests      tests/device/test_numerics.py and tests/engine/test_gpu_rules.py: each pointwise rule against the eager CUDA kernel,
 #                    special values (+-0, +-inf, NaN, subnormals), bf16 / fp16 / fp32
 #   qwen-edit        Qwen-Image-Edit-2511 (zero_cond_t, a condition image stream): one forward at 1024^2
 #   padded-text      Qwen-Image 1328^2 and Z-Image-Turbo 1024x1536, B=2 with prompts of 128 and 37 tokens
 # CUDA-graph mode (exactdit.patch(..., cuda_graphs=True)):
-#   graphs-tests     pytest -m gpu tests/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
+#   graphs-tests     pytest -m gpu tests/patches/test_gpu_cuda_graphs.py (replays equal eager, tiny configs)
 #   graphs-bench     Flux.1-dev 1024^2 (with regional compile) and 512^2, ERNIE-Image 512^2 and 1024^2: eager,
 #                    exactdit, exactdit + CUDA graphs
 #   graphs-equality  Flux.1-dev 28-step FluxPipeline and ERNIE-Image 50 steps, with and without graphs: md5s
@@ -39,6 +34,9 @@
 #   rows-adjacent    operands whose rows lie adjacent in memory (a patch embedding's flattened, transposed output):
 #                    the GPU rules test, the minis with that layout, HunyuanVideo 480x848x33 with --breakdown and compile,
 #                    and the sweep of the two launch knobs on its double block
+# Fused GEMMs (EXACTDIT_GEMM; off by default):
+#   gemm             pytest -m gpu tests/engine/test_gpu_gemm.py; bench_gemm.py (fused region vs cuBLAS + epilogue per tile
+#                    configuration); Flux.1-dev 1024^2 with every GEMM fused and with none, kernel-time breakdown, clock, power
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -64,69 +62,52 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   case "$stage" in
     tests)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
       timeout 400 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
-    erf)
-      timeout 60 python3 benchmarks/probe_erf.py 2>&1 | tee "$OUT/probe_erf.log" | tail -6
-      timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_geglu.py -rf 2>&1 | tee "$OUT/gpu_geglu.log" | grep -v "^\." | tail -12 ;;
-    tune)
-      timeout 200 python3 benchmarks/tune_elementwise.py 2>&1 | tee "$OUT/tune_elementwise.log" | tail -12 ;;
-    ops)
-      for b in "bench_elementwise.py" "bench_rms_norm.py --no-sweep" "bench_layer_norm.py" "bench_rope_geglu.py"; do
-        timeout 200 python3 benchmarks/$b 2>&1 | tee -a "$OUT/bench_ops.log" | tail -14
-      done ;;
-    equality)
-      ERNIE_EQ_BUDGET_S=${ERNIE_EQ_BUDGET_S:-150} timeout 260 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | tail -32 ;;
-    model)
-      ERNIE_BENCH_BUDGET_S=${ERNIE_BENCH_BUDGET_S:-120} timeout 270 python3 benchmarks/bench_ernie.py 2>&1 | tee "$OUT/bench_ernie.log" | tail -25
-      timeout 150 python3 benchmarks/profile_ernie.py 2>&1 | tee "$OUT/profile_ernie.log" | grep -v Warn | tail -40 ;;
-    ernie)
-      bash "$0" equality model ;;
     engine-equality)
-      timeout 165 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
+      timeout 165 python3 benchmarks/models/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
         --sample-steps 28 --test-configs 2>&1 | grep -v Warn | tee "$OUT/flux_equality.log" | tail -8 ;;
     engine-bench)
-      timeout 195 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
+      timeout 195 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
         --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
     engine-tests)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_gpu_layer_norm.py \
-        tests/test_gpu_rope.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     rules-tests)
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -rf 2>&1 | \
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)
-      ERNIE_EQ_BUDGET_S=30 timeout 75 python3 benchmarks/ernie_equality.py 2>&1 | tee "$OUT/ernie_equality.log" | \
-        grep -E "md5|EQUAL|DIFFERENT|skipped" | tail -12 ;;
+      timeout 240 python3 benchmarks/models/engine_equality.py --model ernie --config full --forward 1024x1024x1 512x512x1 \
+        2>&1 | grep -v Warn | tee "$OUT/ernie_equality.log" | tail -4 ;;
     engine-chroma)
-      timeout 30 python3 benchmarks/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
+      timeout 30 python3 benchmarks/models/engine_equality.py --model chroma --test-configs 2>&1 | grep -v Warn | \
         tee "$OUT/chroma_equality.log" | tail -4 ;;
     qwen-edit)
-      timeout 240 python3 benchmarks/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
+      timeout 240 python3 benchmarks/models/engine_equality.py --model qwen --config full --edit --forward 1024x1024x1 \
         2>&1 | grep -v Warn | tee "$OUT/qwen_edit_equality.log" | tail -4 ;;
     padded-text)
-      timeout 150 python3 benchmarks/engine_equality.py --model qwen --config full --forward 1328x1328x2 --text-len 128 37 \
+      timeout 150 python3 benchmarks/models/engine_equality.py --model qwen --config full --forward 1328x1328x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/qwen_padded_equality.log" | tail -3
-      timeout 150 python3 benchmarks/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
+      timeout 150 python3 benchmarks/models/engine_equality.py --model zimage --config full --forward 1024x1536x2 --text-len 128 37 \
         2>&1 | grep -v Warn | tee "$OUT/zimage_padded_equality.log" | tail -3 ;;
     graphs-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda_graphs.py -rf 2>&1 | \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/patches/test_gpu_cuda_graphs.py -rf 2>&1 | \
         tee "$OUT/gpu_graphs_tests.log" | tail -8 ;;
     graphs-bench)
-      timeout 240 python3 benchmarks/bench_engine.py --model flux --config full --height 1024 --width 1024 \
+      timeout 240 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \
         --repeat 7 --compile --cuda-graphs --breakdown 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER|graphs" | \
         tee -a "$OUT/graphs_bench.log"
       for args in "--model flux --height 512 --width 512" "--model ernie --height 512 --width 512" \
                   "--model ernie --height 1024 --width 1024"; do
-        timeout 120 python3 benchmarks/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
+        timeout 120 python3 benchmarks/models/bench_engine.py $args --config full --repeat 10 --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs" | tee -a "$OUT/graphs_bench.log"
       done ;;
     deploy)
       for m in ${MODELS:-flux}; do
-        timeout 590 python3 benchmarks/bench_deploy.py --models $m --timeout 190 ${DEPLOY_ARGS:-} 2>&1 | grep -v Warn | \
+        timeout 590 python3 benchmarks/models/bench_deploy.py --models $m --timeout 190 ${DEPLOY_ARGS:-} 2>&1 | grep -v Warn | \
           tee -a "$OUT/bench_deploy.log" | grep -E "^\||^##|^graphs:|^released|error"
       done ;;
     graphs-masked)
@@ -134,51 +115,51 @@ for stage in "$@"; do
                "--models qwen --resolutions 1328x1328 --batch 2 --text-len 128 37" \
                "--models qwen --resolutions 1024x1024 --batch 2 --text-len 128 37" \
                "--models chroma --resolutions 1024x1024 --batch 2 --text-len 128 37"; do
-        timeout 145 python3 benchmarks/bench_deploy.py $a --skip-first-calls --timeout 140 2>&1 | grep -v Warn | \
+        timeout 145 python3 benchmarks/models/bench_deploy.py $a --skip-first-calls --timeout 140 2>&1 | grep -v Warn | \
           tee -a "$OUT/graphs_masked.log" | grep -E "^\||^##|^graphs:|^released|error"
       done ;;
     host)
-      timeout 150 python3 benchmarks/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
+      timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)
-      timeout 200 python3 benchmarks/engine_equality.py --model flux --config full --forward 1024x1024x1 \
+      timeout 200 python3 benchmarks/models/engine_equality.py --model flux --config full --forward 1024x1024x1 \
         --sample-steps 28 --cuda-graphs 2>&1 | grep -v Warn | tee "$OUT/flux_graphs_equality.log" | tail -6
-      timeout 200 python3 benchmarks/engine_equality.py --model ernie --config full --sample-steps 50 --cuda-graphs \
+      timeout 200 python3 benchmarks/models/engine_equality.py --model ernie --config full --sample-steps 50 --cuda-graphs \
         2>&1 | grep -v Warn | tee "$OUT/ernie_graphs_equality.log" | tail -4 ;;
     models-bench)
       for args in "--model qwen --height 1024 --width 1024" "--model zimage --height 1024 --width 1024" \
                   "--model wan --height 480 --width 832 --frames 33"; do
-        timeout 280 python3 benchmarks/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
+        timeout 280 python3 benchmarks/models/bench_engine.py $args --config full --repeat 5 --compile --cuda-graphs 2>&1 | \
           grep -E "^\||DISABLED|EAGER|graphs|built" | tee -a "$OUT/models_bench.log"
       done ;;
     minis-bench)
       for mini in ${MINIS:-sd3 ltx-video cogvideox hunyuan-video flux2}; do
-        timeout 240 python3 benchmarks/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
+        timeout 240 python3 benchmarks/models/bench_engine.py --mini $mini --repeat 5 --compile 2>&1 | \
           grep -E "^\||DISABLED|EAGER|built" | tee -a "$OUT/minis_bench.log"
       done ;;
     minis-profile)
       for mini in ${MINIS:-sd3 cogvideox hunyuan-video}; do
-        timeout 240 python3 benchmarks/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
+        timeout 240 python3 benchmarks/models/profile_engine.py --mini $mini 2>&1 | grep -v Warn | \
           tee -a "$OUT/minis_profile.log" | grep -E "left to|model|^\|" | head -40
       done ;;
     rows-adjacent)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine_rules.py -k rows_adjacent -rf 2>&1 | \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -k rows_adjacent -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rows_adjacent.log" | tail -6
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_minis.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py \
         -k "hunyuan or wan-vace or skyreels or sana or pixart" -rf 2>&1 | grep -v Warn | tee "$OUT/gpu_minis_rows_adjacent.log" | tail -6
-      timeout 240 python3 benchmarks/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
+      timeout 240 python3 benchmarks/models/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
         grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"
-      timeout 240 python3 benchmarks/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
+      timeout 240 python3 benchmarks/kernels/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
         --graph HunyuanVideoTransformerBlock 2>&1 | grep -v Warn | tee "$OUT/tune_rows_adjacent.log" | tail -40 ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
                   "--model ernie --height 1024 --width 1024"; do
-        timeout 420 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --config full $args --repeat 5 \
+        timeout 420 torchrun --nproc-per-node 2 benchmarks/parallel/bench_context_parallel.py --config full $args --repeat 5 \
           2>&1 | grep -E "^\||GPU|skipped|x2" | tee -a "$OUT/context_parallel.log"
       done ;;
     cp-one-gpu)
       for args in "--model flux --height 1024 --width 1024" "--model ernie --height 1024 --width 1024" \
                   "--model wan --height 480 --width 832 --frames 33"; do
-        timeout 300 torchrun --nproc-per-node 2 benchmarks/context_parallel_equality.py --backend gloo --config full \
+        timeout 300 torchrun --nproc-per-node 2 benchmarks/parallel/context_parallel_equality.py --backend gloo --config full \
           --modes ulysses ring $args 2>&1 | grep -E "^\||exitcode" | tee -a "$OUT/context_parallel_equality.log"
       done ;;
     ecosystem)
@@ -186,17 +167,18 @@ for stage in "$@"; do
         wan) geometry="--model wan --height 480 --width 832 --frames 33" ;;
         *) geometry="--model flux --height 1024 --width 1024" ;;
       esac
-      configs=${ECO_CONFIGS:-$(python3 benchmarks/bench_ecosystem.py --list 2>/dev/null | awk '{print $1}')}
+      configs=${ECO_CONFIGS:-$(python3 benchmarks/models/bench_ecosystem.py --list 2>/dev/null | awk '{print $1}')}
       for c in $configs; do
         t=${ECO_TIMEOUT_S:-240}; case "$c" in gguf*) t=${ECO_GGUF_TIMEOUT_S:-540} ;; esac  # quantizes on the CPU
-        timeout $t python3 benchmarks/bench_ecosystem.py $geometry --config full --repeat 5 \
+        timeout $t python3 benchmarks/models/bench_ecosystem.py $geometry --config full --repeat 5 \
           --configs "$c" 2>&1 | grep -v Warn | tee -a "$OUT/ecosystem_${ECO_MODEL:-flux}.log" | \
           grep -E "^\||^\[" | tail -8
       done ;;
-    ncu)
-      timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-        -k 'regex:^(rms_norm_kernel|norm_rope_kernel|geglu_kernel|layer_norm_kernel)$' -c 8 \
-        python3 benchmarks/ncu_ops.py --repeat 1 > "$OUT/ncu_ops.txt" 2>&1
-      grep -E "^  [a-z_]+kernel|Duration|Memory Throughput|Warp Cycles Per Issued|Executed Instructions  " "$OUT/ncu_ops.txt" ;;
+    gemm)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_gemm.py -rf 2>&1 | \
+        tee "$OUT/gpu_gemm_tests.log" | tail -6
+      timeout 240 python3 benchmarks/kernels/bench_gemm.py 2>&1 | grep -v Warn | tee "$OUT/bench_gemm.log" | tail -30
+      timeout 300 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \
+        --gemm fused --gemm-off-too --breakdown 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_gemm.log" ;;
   esac
 done

@@ -1,12 +1,11 @@
 """exactdit: bit-exact fused Triton kernels for diffusion transformers in diffusers."""
 
-from exactdit import ops
-from exactdit.gate import report, reset_report
+from exactdit.reporting import report, reset_report
 from exactdit.patches import patch, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["enable_context_parallel", "ops", "patch", "report", "reset_report", "unpatch", "__version__"]
+__all__ = ["enable_context_parallel", "patch", "report", "reset_report", "unpatch", "__version__"]
 
 
 def __getattr__(name):

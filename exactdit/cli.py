@@ -200,7 +200,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
     eagerly, one by one: CUDA events on a GPU, wall clock on the CPU)."""
     import torch
 
-    from exactdit.engine import coverage
+    from exactdit.engine import coverage, timing
     from exactdit.harness import models
     from exactdit.harness.demo import (HarnessError, check_activation_memory, check_memory, latent_tokens,
                                        out_of_memory, resolve_device, widest_linear)
@@ -238,7 +238,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
                    f"bf16, {size}, batch {batch}, {dev.type} ({device_info(dev).get('name')})")
         tr = models.build_transformer(model, config, dtype=dtype, device=dev)
         kw = models.forward_inputs(model, tr, height=height, width=width, num_frames=frames, batch=batch)
-        measured = coverage.measure(tr, kw)
+        measured = timing.measure(tr, kw)
     except (HarnessError, ValueError) as exc:
         raise _fail(exc) from None
     except RuntimeError as exc:
@@ -248,15 +248,15 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
                                  )) from None
     for graph, timer, partition in measured:
         click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
-    click.echo("\n".join(coverage.summary_lines([g for g, _, _ in measured])))
+    click.echo("\n".join(timing.summary_lines([g for g, _, _ in measured])))
 
 
-@main.command(short_help="Every fused op against its eager reference.")
+@main.command(short_help="Tiny models patched against eager diffusers, bit for bit.")
 def selfcheck() -> None:
-    """Every fused op on fresh random inputs against its eager reference; exit 1 on a difference."""
-    from exactdit.selfcheck import main as run_selfcheck
+    """Tiny models patched against eager diffusers, bit for bit, with the report; exit 1 on a difference."""
+    from exactdit.harness.selfcheck import main as run_selfcheck
 
-    sys.exit(run_selfcheck())
+    sys.exit(run_selfcheck(echo=click.echo))
 
 
 @main.command(short_help="Tabulate the timings of perf JSONs (first = baseline).")

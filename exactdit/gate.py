@@ -29,7 +29,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import re
 import threading
 import warnings
 from collections import Counter
@@ -37,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from exactdit.numerics import INTERPRET
+from exactdit.device.numerics import INTERPRET
+from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
 
@@ -52,7 +52,7 @@ class ExactditMismatchWarning(RuntimeWarning):
 class FusedOp:
     """One fused op. Every callable takes the op's arguments as the public function got them.
 
-    name: key in :func:`report`.
+    name: key in :func:`exactdit.report`.
     reference: the eager PyTorch expression the kernel reproduces.
     fused: launches the Triton kernel and returns its output(s).
     unsupported: returns why the kernel cannot take these inputs, or None.
@@ -120,7 +120,8 @@ def arg_key(args: tuple) -> tuple:
 
 
 _lock = threading.Lock()
-_stats: dict[str, _OpStats] = {}
+#: op name -> its state (kept in the process state: exactdit.state.reset() clears it)
+_stats: dict[str, _OpStats] = STATE.signatures
 
 
 #: os.environ's own store (POSIX: bytes keys), read directly: ``os.environ.get`` costs ~2 us of
@@ -149,6 +150,11 @@ def _any_switch() -> bool:
                 and get(_SWITCH_KEYS[3]) is None:
             return False
     return any(_flag(name) for name in _SWITCHES)
+
+
+#: the NaN pattern poisoned outputs are pre-filled with, written through an integer view
+POISON = {torch.bfloat16: 0x7FA5, torch.float16: 0x7DA5, torch.float32: 0x7FA5A5A5}
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def poison_outputs() -> bool:
@@ -205,18 +211,6 @@ def count_eager(name: str, reason: Reason) -> None:
     """Record that a site named ``name`` ran eager code for ``reason`` (for model patches whose
     whole forward steps aside, e.g. when autograd is recording)."""
     _count_eager(_op_stats(name), reason)
-
-
-#: name -> fields shown with that name's entry in the report (a model patch's own state: what a
-#: model's CUDA graphs cover, ``{"graphed": ..., "graphed_why": ...}``)
-_details: dict[str, dict] = {}
-
-
-def describe(name: str, **fields) -> None:
-    """Show ``fields`` with the report entry ``name`` (replacing what was shown before)."""
-    _op_stats(name)
-    with _lock:
-        _details[name] = fields
 
 
 def count_fused(name: str) -> None:
@@ -385,96 +379,39 @@ def _show_element(t: torch.Tensor) -> str:
     return f"{t.item()!r} (0x{bits:0{2 * t.element_size()}x})"
 
 
-REGION_SUFFIX = re.compile(r"\.r\d+$")
+#: name -> fields shown with that name's entry in the report (a model patch's own state: what a
+#: model's CUDA graphs cover, ``{"graphed": ..., "graphed_why": ...}``)
+_details: dict[str, dict] = STATE.details
 
 
-def group_name(name: str) -> str:
-    """The row an op's counts are shown under: engine regions (``<graph>.r<k>``) under their graph."""
-    return REGION_SUFFIX.sub("", name)
-
-
-def grouped(report: dict) -> dict:
-    """``report``'s entries summed per :func:`group_name` (fused, eager, reasons, signatures)."""
-    out: dict = {}
-    for name, e in report.items():
-        g = out.setdefault(group_name(name), {"fused": 0, "eager": 0, "eager_reasons": Counter(), "verified": 0,
-                                              "disabled": 0, "regions": 0})
-        g["fused"] += e["fused"]
-        g["eager"] += e["eager"]
-        g["eager_reasons"].update(e["eager_reasons"])
-        g["verified"] += len(e.get("verified", ()))
-        g["disabled"] += len(e.get("disabled", ()))
-        g["regions"] += 1 if REGION_SUFFIX.search(name) else 0
-    return out
-
-
-class Report(dict):
-    """``{op name: {"fused", "eager", "eager_reasons", "verified", "disabled"}}``; prints as a
-    table (engine regions summed per captured graph), then what the engine did to each graph."""
-
-    def __str__(self) -> str:
-        if not self:
-            return "exactdit: no op has been called yet"
-        rows = [("op / captured graph", "fused", "eager", "verified", "disabled", "eager because")]
-        for name, e in sorted(grouped(self).items()):
-            why = ", ".join(f"{r} x{n}" for r, n in e["eager_reasons"].items()) or "-"
-            label = f"{name} ({e['regions']} regions)" if e["regions"] else name
-            rows.append((label, str(e["fused"]), str(e["eager"]), str(e["verified"]), str(e["disabled"]), why))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
-        lines.insert(1, "-" * len(lines[0]))
-        for name, e in sorted(self.items()):
-            for sig, why in e["disabled"].items():
-                lines.append(f"disabled {name} {sig}: {why}")
-        for name, e in sorted(self.items()):
-            if "graphed" in e:
-                lines.append(f"CUDA graphs of {name.split('.', 1)[-1]}: {e['graphed']}"
-                             + (f" ({e['graphed_why']})" if e.get("graphed_why") else ""))
-        from exactdit.engine import coverage
-
-        for label, why in sorted(coverage.in_parts().items()):
-            lines.append(f"captured in parts (graph breaks): {label}: {why}")
-        for graph in coverage.graphs():
-            lines.extend(graph.lines())
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-def report(show: bool = True) -> Report:
-    """Per op: fused and eager call counts, why calls ran eager, verified and disabled
-    signatures. Prints the table when ``show``."""
+def describe(name: str, **fields) -> None:
+    """Show ``fields`` with the report entry ``name`` (replacing what was shown before)."""
+    _op_stats(name)
     with _lock:
-        result = Report(
-            {
-                name: {
-                    "fused": st.fused + _served(st),
-                    "eager": st.eager,
-                    "eager_reasons": dict(st.eager_reasons),
-                    "verified": sorted(map(str, st.verified)),
-                    "disabled": {str(k): v for k, v in st.disabled.items()},
-                }
-                for name, st in _stats.items()
+        _details[name] = fields
+
+
+def snapshot() -> dict:
+    """Per op: fused and eager call counts, why calls ran eager, verified and disabled
+    signatures (what :func:`exactdit.report` shows)."""
+    with _lock:
+        return {
+            name: {
+                "fused": st.fused + _served(st),
+                "eager": st.eager,
+                "eager_reasons": dict(st.eager_reasons),
+                "verified": sorted(map(str, st.verified)),
+                "disabled": {str(k): v for k, v in st.disabled.items()},
+                **_details.get(name, {}),
             }
-        )
-        for name, fields in _details.items():
-            result[name].update(fields)
-    if show:
-        print(result)
-    return result
+            for name, st in _stats.items()
+        }
 
 
-def reset_report() -> None:
+def reset_counts() -> None:
     """Zero the call counters; verified and disabled signatures are kept."""
     with _lock:
         for st in _stats.values():
             st.fused = st.eager = 0
             st.served = itertools.count()
             st.eager_reasons.clear()
-
-
-def reset() -> None:
-    """Forget everything, verified and disabled signatures included (tests)."""
-    with _lock:
-        _stats.clear()
-        _details.clear()

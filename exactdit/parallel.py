@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+from exactdit.patches import diffusers_internals
+
 # ERNIE-Image runs sequence-first: x, its six per-token modulations and the final projection are
 # [S, B, H]; the RoPE angles are [B, S, 1, head_dim]. Every layer receives the same rotary and
 # modulation tensors from the transformer's forward, so each layer splits them (a chunk is a view);
@@ -42,7 +44,7 @@ CP_PLANS = {"ErnieImageTransformer2DModel": ERNIE_IMAGE_PLAN}
 
 def context_parallel_plan(model) -> dict:
     """The plan ``model`` runs under: its class's own ``_cp_plan``, else exactdit's."""
-    plan = getattr(model, "_cp_plan", None) or CP_PLANS.get(type(model).__name__)
+    plan = diffusers_internals.context_parallel_plan(model) or CP_PLANS.get(type(model).__name__)
     if plan is None:
         raise ValueError(
             f"exactdit.enable_context_parallel: {type(model).__name__} has no context-parallel plan "

@@ -10,8 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from exactdit.aten_norms import fma_f32, layer_norm_order_model, rms_norm_order_model
-from exactdit.aten_reduce import mean_lastdim_reference_order
+from exactdit.aten.norms import fma_f32, layer_norm_order_model, rms_norm_order_model
+from exactdit.aten.reduce import mean_lastdim_reference_order
 from exactdit.engine.backend import rewrite
 from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
 from tests.helpers import assert_bits_equal, interpreter_rsqrt
@@ -337,3 +337,25 @@ def with_size_one_strides(t: torch.Tensor, strides: tuple) -> torch.Tensor:
     dense = torch.empty(t.shape, dtype=t.dtype).stride()
     strides = [next(picked) if n == 1 else st for n, st in zip(t.shape, dense)]
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def rewritten_run(build, inputs, sources: list | None = None, kernels: list | None = None):
+    """Rewrite the graph ``build(b, *nodes)`` makes and check it (:func:`rewrite_and_check`);
+    the generated kernels (their sources) are appended to ``kernels`` (``sources``)."""
+    b = GraphBuilder()
+    nodes = [b.input(t) for t in inputs]
+    gm = b.module(*build(b, *nodes))
+    report = rewrite_and_check(gm, inputs)
+    generated = [k for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")
+                 for _, k in n.target.exactdit_region.kernels()]
+    if sources is not None:
+        sources.extend(k.source for k in generated)
+    if kernels is not None:
+        kernels.extend(generated)
+    return report
+
+
+def assert_partners_move_between_lanes(sources, move="rows_k.pair_"):
+    """The rotary partner is moved between lanes of the tile: no gather, no second load of the row."""
+    assert any(move in s for s in sources), sources
+    assert not any("tl.gather" in s for s in sources), sources

@@ -5,7 +5,7 @@ The emitter turns a value of the captured ATen graph, asked for at an index (see
 rule :mod:`exactdit.engine.aten_ops` holds for it, and every rule follows the same contract as
 the eager CUDA kernel it stands for: operands widened to the op's math type (fp32 for bf16,
 fp16 and fp32), one operation with ``.rn`` rounding and no FMA contraction (the
-:mod:`exactdit.numerics` helpers), the result rounded once to the node's dtype. A value is
+:mod:`exactdit.device.numerics` helpers), the result rounded once to the node's dtype. A value is
 kept in a variable of the node's dtype, so the next op sees exactly the bits eager hands it.
 
 Values live in one of three shapes of the kernel's tile: ``scalar``, ``row`` (one value per row
@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.indexing import Index, Ix, broadcast_index, column_values, offset_code
+from exactdit.engine.rules import rule_for
 
 #: value shapes, ordered
 SCALAR, ROW, FULL = 0, 1, 2
@@ -215,8 +216,6 @@ class Emitter:
         elif node not in self.members:
             val = self.load(self.input_operand(node), index, dtype_of(node))
         else:
-            from exactdit.engine.aten_ops import rule_for
-
             rule = rule_for(node)
             if rule is None:
                 raise Unfusable(f"no rule for {node.target}", node)

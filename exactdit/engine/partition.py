@@ -23,7 +23,6 @@ from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates import generate, reduction_kind, why_not_reduction
-from exactdit.engine import gemm as _gemm  # registers the GEMM template  # noqa: F401
 
 #: how many times the grouping is redone after setting nodes aside
 MAX_ROUNDS = 30
@@ -254,7 +253,7 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     otherwise one launch over the domain."""
     if split_cat is None or split_cat not in members:
         return [Launch(tuple(domain))]
-    from exactdit.engine.aten_ops import cat_pieces
+    from exactdit.engine.aten_views import cat_pieces
 
     dim, pieces = cat_pieces(split_cat)
     launches = []

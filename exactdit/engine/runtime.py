@@ -14,13 +14,13 @@ import weakref
 import torch
 import torch.fx as fx
 
-from exactdit import gate, launch
-from exactdit.engine import gemm, kernel_source, tables
+from exactdit import gate
+from exactdit.device import launch
+from exactdit.engine import kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
-from exactdit.engine.templates import GeneratedKernel
-from exactdit.numerics import LAUNCH_OPTIONS
-from exactdit.ops._common import _INT_VIEW, _POISON
+from exactdit.engine.templates import GeneratedKernel, gemm
+from exactdit.device.numerics import LAUNCH_OPTIONS
 
 
 def reference_module(region: Region) -> fx.GraphModule:
@@ -285,7 +285,7 @@ class _Launch:
 
 def _poison(outs) -> None:
     for out in outs:
-        out.view(_INT_VIEW[out.dtype]).fill_(_POISON[out.dtype])
+        out.view(gate.INT_VIEW[out.dtype]).fill_(gate.POISON[out.dtype])
 
 
 def region_call_target(op: RegionOp):

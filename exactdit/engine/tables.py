@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exactdit.numerics import LAUNCH_OPTIONS, mul_rn, round_to, widen
+from exactdit.device.numerics import LAUNCH_OPTIONS, mul_rn, round_to, widen
 
 logger = logging.getLogger("exactdit")
 

@@ -1,9 +1,9 @@
 """One rank of a context-parallel comparison: exactdit + diffusers' context parallelism against the
 unpatched transformer under the same parallel config, on every rank.
 
-Used by ``tests/test_context_parallel.py`` (two CPU processes over gloo),
-``benchmarks/bench_context_parallel.py`` (``torchrun``, one GPU per rank, NCCL: equality and time)
-and ``benchmarks/context_parallel_equality.py`` (equality only; ranks may share a GPU over gloo).
+Used by ``tests/patches/test_context_parallel.py`` (two CPU processes over gloo),
+``benchmarks/parallel/bench_context_parallel.py`` (``torchrun``, one GPU per rank, NCCL: equality and time)
+and ``benchmarks/parallel/context_parallel_equality.py`` (equality only; ranks may share a GPU over gloo).
 """
 
 from __future__ import annotations

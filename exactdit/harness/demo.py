@@ -13,16 +13,13 @@ from typing import Callable
 
 import torch
 
-from exactdit import gate
+from exactdit import gate, reporting
 from exactdit.engine import coverage
 
 from . import _api, metrics, models, perf
 from .ab import latent_side_by_side
 from .models import build_pipeline, dtype_from_name, dtype_name
-
-
-class HarnessError(RuntimeError):
-    """A user-facing error (the CLI prints its message on one line and exits non-zero)."""
+from .outputs import HarnessError  # noqa: F401  (the harness's user-facing error; imported from here too)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -293,7 +290,7 @@ def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_par
         echo(f"result    DIFFERENT: final latents differ (max_abs {max_abs:.3g})")
     fused, fell_back, reasons = _api.summarize_report(patched["report"])
     echo(f"fused     {fused} fused op calls ran, {fell_back} fell back to eager ({_fmt_reasons(reasons)})")
-    for op, e in sorted(gate.grouped(patched["report"]).items()):
+    for op, e in sorted(reporting.grouped(patched["report"]).items()):
         regions = f" ({e['regions']} regions)" if e["regions"] else ""
         echo(f"  {op + regions:<22} fused {e['fused']:>6}  eager {e['eager']:>6}  {_fmt_reasons(e['eager_reasons'])}")
     graphs = coverage.graphs()

@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from .demo import HarnessError
+
+class HarnessError(RuntimeError):
+    """A user-facing error (the CLI prints its message on one line and exits non-zero)."""
 
 
 def check_writable(out: str | Path, option: str = "--out") -> Path:

@@ -3,11 +3,9 @@ transformer) compute through exactdit's fused kernels, with exactly the bits dif
 ``exactdit.unpatch(obj)`` restores diffusers' behaviour.
 
 Any transformer with repeated blocks goes through the engine (:mod:`exactdit.patches.engine`):
-its blocks are captured once per class and their ATen graphs rewritten. ERNIE-Image also has a
-hand-written mirror of its forwards (:mod:`exactdit.patches.ernie_image`, ``mirror=True``),
-pinned to the diffusers source it was written against. ``cuda_graphs=True`` records the whole
-transformer forward into CUDA graphs, or where it cannot be recorded its block calls
-(:mod:`exactdit.patches.cuda_graphs`).
+its blocks are captured once per class and their ATen graphs rewritten. ``cuda_graphs=True``
+records the whole transformer forward into CUDA graphs, or where it cannot be recorded its block
+calls (:mod:`exactdit.patches.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -47,38 +45,19 @@ def _what_it_has(pipe) -> str:
     return f" (its models: {', '.join(models)})" if models else " (it holds no model)"
 
 
-def _mirror(model, caller: str):
-    from diffusers.models.transformers.transformer_ernie_image import ErnieImageTransformer2DModel
-
-    if isinstance(model, ErnieImageTransformer2DModel):
-        from exactdit.patches import ernie_image
-
-        return ernie_image
-    raise TypeError(f"exactdit.{caller}: no hand-written mirror for {type(model).__name__} (only ERNIE-Image has one)")
-
-
-def patch(obj, *, mirror: bool = False, cuda_graphs: bool = False) -> dict:
+def patch(obj, *, cuda_graphs: bool = False) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
     ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
-    model then runs diffusers' code. ``mirror=True``: ERNIE-Image's hand-written forwards.
+    model then runs diffusers' code.
     ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
     signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``summary["cuda_graphs"]``
     says whether that mode is on."""
     model = _transformer(obj)
-    if mirror:
-        summary = _mirror(model, "patch").patch_transformer(model)
-    else:
-        summary = engine.patch_transformer(model)
+    summary = engine.patch_transformer(model)
     if not summary["patched"]:
         warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=2)
-    if cuda_graphs and mirror:
-        # the mirror sets forwards on module instances, which the graph mode refuses on every
-        # call (measured: ERNIE-Image 512^2 mirror 52.2 ms, with the refusals 66.2 ms)
-        summary["cuda_graphs"] = False
-        warnings.warn("exactdit.patch: no CUDA graphs with mirror=True (the hand-written forwards run "
-                      "Python per call); patch without mirror for graphs", stacklevel=2)
-    elif cuda_graphs:
+    if cuda_graphs:
         summary["cuda_graphs"] = graphs.enable(model)
         if not summary["cuda_graphs"]:
             warnings.warn(f"exactdit.patch: no CUDA graphs for {type(model).__name__}: its call is already "
@@ -88,18 +67,10 @@ def patch(obj, *, mirror: bool = False, cuda_graphs: bool = False) -> dict:
 
 def unpatch(obj) -> dict:
     """Restore diffusers' behaviour on ``obj`` (a pipeline or a transformer). Returns what was
-    restored: ``{"restored": {block class: count}}`` for the engine, the mirror's counts for
-    ERNIE-Image's hand-written patch (zeros when nothing was patched)."""
+    restored: ``{"restored": {block class: count}}`` (empty when nothing was patched)."""
     model = _transformer(obj, "unpatch")
     graphs.disable(model)
-    restored = engine.unpatch_transformer(model)
-    if restored["restored"] or not _mirrored_class(model):
-        return restored
-    return _mirror(model, "unpatch").unpatch_transformer(model)
-
-
-def _mirrored_class(model) -> bool:
-    return type(model).__name__ == "ErnieImageTransformer2DModel"
+    return engine.unpatch_transformer(model)
 
 
 __all__ = ["patch", "unpatch"]

@@ -47,10 +47,10 @@ import logging
 
 import torch
 import torch.utils._pytree as pytree
-from torch.nn.modules import module as _nn_module
 
 from exactdit import gate
 from exactdit.patches import engine
+from exactdit.patches.graph_watch import _ModelWatch  # noqa: F401  (tests and benchmarks import it from here)
 from exactdit.patches.engine import _first_line
 
 logger = logging.getLogger("exactdit")
@@ -532,132 +532,6 @@ def _unsupported_arguments(leaves: list) -> str | None:
         return "tensor arguments on several devices"
     if torch.cuda.is_current_stream_capturing():
         return "called while a CUDA graph is being recorded"
-    return None
-
-
-#: bumped whenever any module registers a parameter, buffer or submodule (adapters loaded, layers
-#: replaced): the cached views of a watched model are rebuilt then
-_registrations = 0
-
-
-def _registered(*_args):
-    global _registrations
-    _registrations += 1
-
-
-#: diffusers hooks that move or cast weights on every call: a graph would read stale addresses
-WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise_casting")
-
-
-class _ModelWatch:
-    """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
-    and buffer addresses (``.to()``, loading with ``assign``), the module tree (through the global
-    registration counter), attention processors, train/eval, and whether hooks that a graph
-    cannot hold are set (accelerate offloading, diffusers' caches and context parallelism, torch
-    forward hooks, LoRA adapters)."""
-
-    _hooks_installed = False
-
-    def __init__(self, module: torch.nn.Module):
-        if not _ModelWatch._hooks_installed:
-            _nn_module.register_module_module_registration_hook(_registered)
-            _nn_module.register_module_parameter_registration_hook(_registered)
-            _nn_module.register_module_buffer_registration_hook(_registered)
-            _ModelWatch._hooks_installed = True
-        self.module = module
-        self.generation = None
-        self.snapshot, self.epoch = None, 0
-        self.hooked = False
-        self.block_reasons: dict = {}
-
-    def _rebuild(self) -> None:
-        modules = list(self.module.modules())
-        self.attrs = [m.__dict__ for m in modules]  # not getattr: nn.Module.__getattr__ is slow on a miss
-        self.tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
-        self.with_processor = [d for d in self.attrs if "processor" in d]
-        self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
-        self.adapters = any(type(m).__module__.startswith("peft") for m in modules)
-        self.module_ids = {id(m) for m in modules}
-        self.generation = _registrations
-
-    def state(self) -> tuple[tuple, str | None, str | None]:
-        """(the model's state as a small hashable key, why no graph may be recorded or None, why
-        the whole forward may not be recorded (its blocks may) or None). The key changes when
-        anything a graph froze changed since the previous call."""
-        if self.generation != _registrations:
-            self._rebuild()
-        # C-level list builds and compares: this runs before every replay
-        snapshot = ([t.data_ptr() for t in self.tensors], [d["training"] for d in self.attrs],
-                    [id(d["processor"]) for d in self.with_processor])
-        if snapshot != self.snapshot:
-            self.snapshot, self.epoch = snapshot, self.epoch + 1
-        never, not_whole = self._cannot_hold()
-        if never is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors):
-            never = "autograd is recording"
-        return (self.generation, self.epoch), never, not_whole
-
-    def _cannot_hold(self) -> tuple[str | None, str | None]:
-        """(why no graph at all, why no whole-forward graph)."""
-        if self.adapters:
-            return "LoRA adapters (their scales are Python state a graph would freeze)", None
-        if getattr(self.module, "_parallel_config", None) is not None:
-            return "context parallelism (collectives in the blocks are not recorded)", None
-        self.block_reasons = {}
-        self.hooked = bool(any(self.hook_dicts) or any(["forward" in d for d in self.attrs]))
-        if not (self.hooked or _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks):
-            return None, None
-        if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
-            return "global torch forward hooks run Python between kernels", None
-        not_whole = None
-        for d in self.attrs:
-            never, reason = _hook_a_graph_cannot_hold(d)
-            if never is not None:
-                return never, None
-            not_whole = not_whole or reason
-        return None, not_whole
-
-    def block_reason(self, block: torch.nn.Module, inner: bool) -> str | None:
-        """Why a call of ``block`` may not be recorded for the hooks on it or its layers, or None;
-        ``inner``: the call is the block's own forward beneath its diffusers hooks (which run as
-        Python around the graph). Only hooks can make a reason: None at once without any."""
-        if not self.hooked:
-            return None
-        key = (id(block), inner)
-        if key not in self.block_reasons:
-            self.block_reasons[key] = _block_hooks(block, inner)
-        return self.block_reasons[key]
-
-
-def _hook_a_graph_cannot_hold(attrs: dict) -> tuple[str | None, str | None]:
-    """(why no graph at all, why no whole-forward graph) for one module's hooks."""
-    if attrs.get("_hf_hook") is not None:
-        return "an accelerate hook (offloading) moves weights between calls", None
-    registry = attrs.get("_diffusers_hook")
-    if registry is not None and registry.hooks:
-        moving = [name for name in registry.hooks if name in WEIGHT_HOOKS]
-        if moving:
-            return f"diffusers hooks ({', '.join(moving)}) move or cast weights between calls", None
-        return None, f"diffusers hooks ({', '.join(registry.hooks)}) run Python between kernels"
-    if "forward" in attrs:
-        return None, "a forward replaced on an instance (a hook) runs Python between kernels"
-    if attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:
-        return None, "torch forward hooks run Python between kernels"
-    return None, None
-
-
-def _block_hooks(block: torch.nn.Module, inner: bool) -> str | None:
-    for m in block.modules():
-        d = m.__dict__
-        if m is block and inner:
-            continue  # its hooks run as Python around the graph of its own forward
-        where = "the block" if m is block else "its layers"
-        registry = d.get("_diffusers_hook")
-        if registry is not None and registry.hooks:
-            return f"diffusers hooks on {where} ({', '.join(registry.hooks)}) run Python inside its graph"
-        if "forward" in d:
-            return f"a forward replaced on {where} (a hook) runs Python inside its graph"
-        if d["_forward_hooks"] or d["_forward_pre_hooks"]:
-            return f"torch forward hooks on {where} run Python inside its graph"
     return None
 
 

@@ -54,6 +54,8 @@ import torch
 from exactdit import gate
 from exactdit.engine import coverage
 from exactdit.engine.capture import repeated_blocks
+from exactdit.patches import diffusers_internals
+from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
 
@@ -105,7 +107,8 @@ class _ClassState:
         return self
 
 
-_states: dict[str, _ClassState] = {}
+#: block class -> its capture state (kept in the process state: exactdit.state.reset() clears it)
+_states: dict[str, _ClassState] = STATE.block_classes
 
 #: Dynamo keeps this many graphs per block (one per input shape) unless the user allows more;
 #: ``patch`` raises a lower ``torch._dynamo.config.recompile_limit`` to it (resolution buckets)
@@ -365,12 +368,11 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
     module = call.module
     if isinstance(module.__dict__.get("forward"), InnerCall):  # its hook was removed since
         module.forward = module.__dict__["forward"].forward  # what diffusers puts back without exactdit
-    registry = module.__dict__.get("_diffusers_hook")
-    refs = getattr(registry, "_fn_refs", None)
+    refs = diffusers_internals.hook_chain(module)
     if "forward" not in module.__dict__ or not refs:
         return False
     first = refs[0]
-    attr = "original_forward" if getattr(first, "original_forward", None) is not None else "forward"
+    attr = diffusers_internals.innermost_attr(first)
     inner = getattr(first, attr, None)
     if isinstance(inner, InnerCall):
         if inner.owner is call:
@@ -393,10 +395,11 @@ def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
         m = stack.pop()
         stack.extend(m._modules.values())
         d = m.__dict__
-        if "_diffusers_hook" in d:
-            registry = d["_diffusers_hook"]
-            if "forward" in d and list(registry.hooks) == ["layerwise_casting"] and len(registry._fn_refs) == 1:
-                hook, inner = registry.hooks["layerwise_casting"], registry._fn_refs[0].forward
+        registry = diffusers_internals.hook_registry(d)
+        if registry is not None:
+            chain = diffusers_internals.hook_chain(m)
+            if "forward" in d and diffusers_internals.hook_names(d) == ["layerwise_casting"] and len(chain) == 1:
+                hook, inner = registry.hooks["layerwise_casting"], chain[0].forward
                 if (type(hook).__name__ == "LayerwiseCastingHook" and getattr(inner, "__self__", None) is m
                         and getattr(inner, "__func__", None) is type(m).forward):
                     casting.append((m, hook))
@@ -460,18 +463,12 @@ def _gguf_layers(found: list) -> list:
 def _remove_inner_calls(module: torch.nn.Module) -> None:
     """Put the class forward back where an :class:`InnerCall` holds it (the hook chain, or the
     module itself after a hook was removed)."""
-    for ref in getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ():
-        for attr in ("forward", "original_forward"):
+    for ref in diffusers_internals.hook_chain(module):
+        for attr in diffusers_internals.INNER_ATTRS:
             if isinstance(getattr(ref, attr, None), InnerCall):
                 setattr(ref, attr, getattr(ref, attr).forward)
     if isinstance(module.__dict__.get("forward"), InnerCall):
         module.forward = module.__dict__["forward"].forward
-
-
-def reset() -> None:
-    """Forget which block classes failed to capture (tests)."""
-    with _lock:
-        _states.clear()
 
 
 def _first_line(e: Exception) -> str:

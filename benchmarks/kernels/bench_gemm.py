@@ -1,0 +1,81 @@
+"""Fused GEMM regions against cuBLAS + their epilogue as a separate kernel, on graphs of the shapes
+and epilogues DiT blocks have: per tile configuration, the two times the runtime's choice measures
+(``exactdit.engine.templates.gemm.choose``) and whether the outputs equal eager's.
+
+    python3 benchmarks/kernels/bench_gemm.py [--tiles 128,256,64,8,3 128,128,64,8,4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.runner import append_results, environment  # noqa: E402
+from exactdit.engine.templates import gemm  # noqa: E402
+from exactdit.engine.backend import rewrite  # noqa: E402
+from tests.engine_helpers import GraphBuilder  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def case(name: str, m: int, k: int, n: int, seed: int = 0):
+    torch.manual_seed(seed)
+    b = GraphBuilder()
+    x = b.input(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    wt = b.op(aten.t.default, b.input(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5))
+    y = b.op(aten.addmm.default, b.input(torch.randn(n, device="cuda", dtype=torch.bfloat16)), x, wt)
+    if name == "gelu":
+        out = [b.op(aten.gelu.default, y, approximate="tanh")]
+    elif name == "cast":
+        out = [b.op(aten.mul.Tensor, y, 1.0), b.op(aten.add.Tensor, y, 0.0)]
+    else:  # gated residual
+        y3 = b.op(aten.view.default, y, [1, m, n])
+        gate = b.input(torch.randn(1, 1, n, device="cuda", dtype=torch.bfloat16))
+        out = [b.op(aten.add.Tensor, b.input(torch.randn(1, m, n, device="cuda", dtype=torch.bfloat16)),
+                    b.op(aten.mul.Tensor, gate, y3))]
+    return b.module(*out), b.inputs
+
+
+CASES = [("gated", 4096, 3072, 3072), ("gelu", 4608, 3072, 12288), ("gated", 4096, 12288, 3072),
+         ("gated", 4608, 15360, 3072), ("gelu", 14040, 5120, 13824), ("cast", 4096, 3072, 9216)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiles", nargs="*", default=["128,256,64,8,3", "128,128,64,8,4", "128,128,64,4,4",
+                                                     "256,128,64,8,3", "128,256,64,8,4"])
+    args = ap.parse_args()
+    env = environment()
+    rows = []
+    os.environ[gemm.CHOICE_ENV] = "auto"  # fused GEMMs on, each signature timed
+    for tiles in args.tiles:
+        os.environ[gemm.TILES_ENV] = tiles
+        for name, m, k, n in CASES:
+            gm, inputs = case(name, m, k, n)
+            with torch.no_grad():
+                ref = gm(*inputs)
+                rewrite(gm, f"bench-{name}-{m}x{k}x{n}-{tiles}")  # a new label: the gate keys ops by name
+                try:
+                    out = gm(*inputs)
+                except Exception as e:  # noqa: BLE001 - a tile configuration that does not build
+                    print(f"{tiles} {name} {m}x{k}x{n}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                    continue
+            ops = [nd.target.exactdit_region for nd in gm.graph.nodes if hasattr(nd.target, "exactdit_region")]
+            choices = [c for op in ops for c in op.choices.values()]
+            equal = all(torch.equal(o, r) for o, r in zip(out, ref))
+            for way, t_fused, t_split in choices:
+                print(f"{tiles} {name} {m}x{k}x{n}: fused {t_fused:.1f} us, cuBLAS + epilogue {t_split:.1f} us "
+                      f"({t_split / t_fused:.3f}x) equal={equal}", flush=True)
+                rows.append(dict(model_or_op=f"gemm+{name}", shape=f"{m}x{k}x{n}", dtype="bf16", path=f"fused {tiles}",
+                                 us=t_fused, split_us=t_split, ratio=t_split / t_fused,
+                                 ratio_kind="cublas+epilogue_us/fused_us", equal=equal, **env))
+    append_results(rows, "benchmarks/kernels/bench_gemm.py")
+
+
+if __name__ == "__main__":
+    main()

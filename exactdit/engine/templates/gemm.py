@@ -1,0 +1,294 @@
+"""Fused GEMMs: a captured graph's ``mm`` / ``addmm`` together with the pointwise work that reads
+its output (the epilogue: bias, activation, gated residual, casts, ...) in one kernel.
+
+What the kernel computes, as eager does:
+
+* ``addmm(bias, A, B)`` / ``mm(A, B)`` of bf16 or fp16 ``A [M, K]`` (rows contiguous) and ``B [K, N]``
+  (a transposed ``nn.Linear`` weight, or row-major): an fp32 accumulator over K in order, one k-tile
+  after another (:func:`exactdit.device.gemm.mma`); the bias added to the fp32 accumulator; one
+  rounding to the output dtype. That is cuBLAS's result at every DiT shape probed on the H200
+  (``benchmarks/probe_gemm_tma.py``), not a law: each signature is verified by the gate against
+  cuBLAS's own output, and one that differs (another algorithm at small M, split-K) runs cuBLAS.
+* the epilogue: the region's other nodes, emitted by their rules at each element of the output
+  tile, exactly as in a pointwise region (per-op roundings, no FMA, tables).
+
+A and B are read by TMA (tensor descriptors made in the kernel), tiles visited by a persistent
+grid; outputs are stored through their strides. fp32 GEMMs are left to cuBLAS (its TF32 settings
+decide their bits), and so are GEMMs of fewer than :data:`MIN_ROWS` rows (cuBLAS picks other
+reductions there, and a tile kernel does not pay).
+
+Whether the fused kernel is used is decided per signature by time: the region keeps the
+alternative of cuBLAS followed by a pointwise kernel for the epilogue (:attr:`Region.alternative`),
+and the first verified call times both (:mod:`exactdit.engine.runtime`). The whole path is off
+unless ``EXACTDIT_GEMM`` turns it on (:data:`CHOICE_ENV`): see BENCHMARKS.md for where it stands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+
+import torch
+import torch.fx as fx
+
+from exactdit.engine.emit import FULL, Code, Emitter, Tile, Unfusable, Val, dtype_of, shape_of
+from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code
+from exactdit.engine.region import Launch, Region
+from exactdit.engine.rules import REDUCTION_OUTPUT, Rule, register_rule
+from exactdit.engine.templates.base import GeneratedKernel, _kernel, _store_outputs, _table_preamble, output_operands
+
+aten = torch.ops.aten
+
+#: Fused GEMMs are off unless ``EXACTDIT_GEMM`` says otherwise (read at capture): ``auto`` times each
+#: signature's two ways and keeps the faster, ``fused`` / ``split`` fix the way (tests, benchmarks).
+#: Off by default: on Flux.1-dev 1024^2 (H200) no signature's fused kernel beat cuBLAS + its
+#: epilogue inside the forward, and compiling them made the first call 22 s instead of 3 s.
+CHOICE_ENV = "EXACTDIT_GEMM"
+MODES = ("auto", "fused", "split")
+
+GEMM_TARGETS = (aten.mm.default, aten.addmm.default)
+#: GEMMs with fewer rows stay with cuBLAS: at M = 2 cuBLAS reduces in another order (probe), and
+#: below a few hundred rows a tile kernel is far from cuBLAS's speed (0.6x at M = 512)
+MIN_ROWS = 1024
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """(A, B, bias or None) of an ``mm`` / ``addmm`` node."""
+    if node.target is aten.mm.default:
+        return node.args[0], node.args[1], None
+    return node.args[1], node.args[2], node.args[0]
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def b_layout(b: torch.Tensor) -> str | None:
+    """"nk": B is the transpose of an [N, K] matrix with contiguous rows (``linear``'s weight.t());
+    "kn": B's own rows are contiguous; None: neither (TMA needs a contiguous innermost dim)."""
+    if b.stride(0) == 1 and b.shape[0] > 1:
+        return "nk"
+    if b.stride(1) == 1:
+        return "kn"
+    return None
+
+
+def why_not_gemm(node: fx.Node) -> str | None:
+    """None when ``node`` can anchor a fused GEMM region; else why it stays with cuBLAS."""
+    if node.op != "call_function" or node.target not in GEMM_TARGETS:
+        return "not a GEMM"
+    if os.environ.get(CHOICE_ENV, "off") not in MODES:
+        return f"fused GEMMs are off ({CHOICE_ENV}=auto turns them on)"
+    a, b, bias = (_val(x) for x in operands(node))
+    out = _val(node)
+    if a is None or b is None or out is None or (node.target is aten.addmm.default and bias is None):
+        return "GEMM of non-tensor operands"
+    if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
+        return "addmm with beta or alpha"
+    if not all(type(s) is int for t in (a, b, out) for s in (*t.shape, *t.stride())):
+        return "GEMM of symbolic shape"
+    if a.dtype not in DTYPES or b.dtype != a.dtype or out.dtype != a.dtype:
+        return f"{a.dtype} GEMM (fp32 stays with cuBLAS: its TF32 settings decide the bits)"
+    if a.device.type not in ("cuda", "cpu"):
+        return f"{a.device.type} tensors"
+    (m, k), n = a.shape, b.shape[1]
+    if m < MIN_ROWS:
+        return f"{m} rows (GEMMs below {MIN_ROWS} rows stay with cuBLAS)"
+    esize = a.element_size()
+    if a.stride(1) != 1 or (a.stride(0) * esize) % 16:
+        return "A's rows are not contiguous and 16-byte aligned"
+    layout = b_layout(b)
+    if layout is None:
+        return "B has no contiguous dim"
+    if ((b.stride(1) if layout == "nk" else b.stride(0)) * esize) % 16 or (k if layout == "nk" else n) * esize < 16:
+        return "B's rows are not 16-byte aligned"
+    if bias is not None:
+        if bias.dtype != a.dtype:
+            return f"{bias.dtype} bias"
+        if bias.dim() == 0 or bias.shape[-1] != n or any(s != 1 for s in bias.shape[:-1]):
+            return "bias is not one row"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A tile configuration; none changes a bit (each output tile accumulates its K in order)."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES`` replaces :func:`tiles_for` (tile sweeps)
+TILES_ENV = "EXACTDIT_GEMM_TILES"
+
+
+def tiles_for(m: int, n: int, k: int) -> Tiles:
+    """Tiles from the H200 sweep (probe_gemm_tma.py --sweep): 128 x 256 x 64 with 8 warps and 3
+    stages was the fastest or within 2% of it on Flux, SD3.5, Z-Image and Wan shapes."""
+    forced = os.environ.get(TILES_ENV)
+    if forced:
+        return Tiles(*(int(v) for v in forced.split(",")))
+    if n <= 128:
+        return Tiles(128, 128, 64, 4, 4)
+    return Tiles(128, 256, 64, 8, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs_for(device: torch.device, tiles: int) -> int:
+    """Persistent programs: one per multiprocessor (4 in the interpreter), at most one per tile."""
+    sms = _programs(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    return max(1, min(sms, tiles))
+
+
+def gemm(region: Region, launch: Launch) -> GeneratedKernel:
+    """The kernel of a GEMM region: persistent tiles of the output, each computing its
+    accumulator and then the epilogue's outputs at the tile's elements."""
+    mm = region.anchor
+    a_node, b_node, bias_node = operands(mm)
+    a, b = _val(a_node), _val(b_node)
+    (m, k), n = a.shape, b.shape[1]
+    if tuple(launch.shape) != (m, n) or launch.pieces:
+        raise Unfusable("a GEMM region is one launch over the GEMM's output", mm)
+    layout = b_layout(b)
+    cfg = tiles_for(m, n, k)
+    loads: dict = {}
+    outs = output_operands(region)
+    code = Code()
+    slots = _table_preamble(region, code)
+    body = code.scope("        ")
+    tile = Tile((Ix.of(Atom("rows", m, False)), Ix.of(Atom("cols", n, True))), "[BM, BN]", "[BM, 1]", "mask",
+                "row_ok", whole_rows=False, aligned_columns=cfg.bn)
+    em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces={}, tables=slots)
+    a_op, b_op = em.input_operand(a_node), em.input_operand(b_node)
+    if a_op.wide or b_op.wide:
+        raise Unfusable("GEMM operands of 2^31 elements or more", mm)
+    code.line(f"a_desc = tl.make_tensor_descriptor({a_op.ptr}, shape=[{m}, {k}], strides=[{a_op.strides[0]}, 1], "
+              "block_shape=[BM, BK])")
+    if layout == "nk":
+        code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{n}, {k}], strides=[{b_op.strides[1]}, 1], "
+                  "block_shape=[BN, BK])")
+        b_tile = "b_desc.load([on, ki * BK]).T"
+    else:
+        code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{k}, {n}], strides=[{b_op.strides[0]}, 1], "
+                  "block_shape=[BK, BN])")
+        b_tile = "b_desc.load([ki * BK, on])"
+    pid_m, pid_n = -(-m // cfg.bm), -(-n // cfg.bn)
+    code.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True):")
+    body.line(f"pid_m, pid_n = gemm_k.tile_of(tile_id, {pid_m}, {pid_n}, GROUP_M)")
+    body.line("om = pid_m * BM")
+    body.line("on = pid_n * BN")
+    body.line("acc = tl.zeros((BM, BN), dtype=tl.float32)")
+    body.line(f"for ki in range({-(-k // cfg.bk)}):")
+    body.line(f"    acc = gemm_k.mma(a_desc.load([om, ki * BK]), {b_tile}, acc)")
+    body.line("rows = om + tl.arange(0, BM)[:, None]")
+    body.line("cols = on + tl.arange(0, BN)[None, :]")
+    body.line(f"row_ok = rows < {m}")
+    body.line(f"mask = row_ok & (cols < {n})")
+    acc = "acc"
+    if bias_node is not None:  # one row of BN values, added to every row of the accumulator
+        bias_op = em.input_operand(bias_node)
+        offset = offset_code(broadcast_index(tile.domain, (m, n), shape_of(bias_node)), bias_op.strides)
+        bias = body.let(f"tl.load({bias_op.ptr} + ({offset}), mask=cols < {n}, other=0.0)", "bias")
+        widened = body.let(f"widen_bf16({bias})" if dtype_of(bias_node) == torch.bfloat16 else f"{bias}.to(tl.float32)",
+                           "bias")
+        acc = body.let(f"add_rn(acc, {widened})", "acc")
+    em.stats[mm] = {"index": tile.domain, "y": em.rounded(acc, dtype_of(mm), FULL)}
+    _store_outputs(em, region, launch, tile.domain, outs)
+    code.extend(body)
+    programs = programs_for(a.device, pid_m * pid_n)
+    kernel = _kernel(region, loads, code, {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m,
+                                             "PROGRAMS": programs}, (programs,), cfg.warps)
+    return dataclasses.replace(kernel, launch_options=(("num_stages", cfg.stages),))
+
+
+def gemm_value(em: Emitter, node: fx.Node, index: Index) -> Val:
+    """The rule of an ``mm`` / ``addmm`` node inside its GEMM region: the rounded accumulator,
+    which exists only at the tile's own elements."""
+    stats = em.stats.get(node)
+    if stats is None:
+        raise Unfusable("a GEMM's output read outside its own region's tile")
+    if len(index) != 2 or not all(i.same_value(j) for i, j in zip(index, stats["index"])):
+        raise Unfusable("reads the GEMM's output at another element than the tile's")
+    return stats["y"]
+
+
+def layout_problem(region: Region, inputs) -> str | None:
+    """Why the compiled GEMM kernel cannot take these inputs (it was built for the layout seen
+    at capture; TMA needs 16-byte aligned bases and rows), or None."""
+    mm = region.anchor
+    a_node, b_node, _ = operands(mm)
+    position = {n: i for i, n in enumerate(region.inputs)}
+    a, b = inputs[position[a_node]], inputs[position[b_node]]
+    want = b_layout(_val(b_node))
+    esize = a.element_size()
+    if a.stride(1) != 1 or b_layout(b) != want or a.data_ptr() % 16 or b.data_ptr() % 16 \
+            or (a.stride(0) * esize) % 16 or ((b.stride(1) if want == "nk" else b.stride(0)) * esize) % 16:
+        return "GEMM operands not in the layout the kernel was built for (contiguous, 16-byte aligned rows)"
+    return None
+
+
+_allocator_set = False
+
+
+def ensure_allocator() -> None:
+    """TMA descriptors made inside a kernel live in a scratch buffer Triton asks the process for;
+    the caching allocator provides it (inside a CUDA graph, from the graph's pool)."""
+    global _allocator_set
+    if _allocator_set:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+    _allocator_set = True
+
+
+for _target in GEMM_TARGETS:  # the GEMM's value inside its own region: the rounded accumulator
+    register_rule(_target, Rule(REDUCTION_OUTPUT, gemm_value, why_not_gemm))
+
+
+# --- run time: fused kernel or cuBLAS + epilogue, by time ------------------------------------------
+
+#: timed calls of each way (after two warm-ups), alternating: the clock under the power cap drifts
+TIMED_CALLS = 5
+
+
+def choose(fused, split, inputs) -> tuple[str, float, float]:
+    """("fused" or "split", median us of each) for one signature, timed on these inputs. Both
+    give the same bits (each verified against the region's ATen nodes), so only time decides."""
+    forced = os.environ.get(CHOICE_ENV, "")
+    if forced in ("fused", "split"):
+        return forced, float("nan"), float("nan")
+    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+    if device.type != "cuda":
+        return "fused", float("nan"), float("nan")
+    times = {"fused": [], "split": []}
+    ways = {"fused": fused, "split": split}
+    for _ in range(2):
+        fused(*inputs)
+        split(*inputs)
+    for _ in range(TIMED_CALLS):
+        for name, fn in ways.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000)
+    t_fused, t_split = statistics.median(times["fused"]), statistics.median(times["split"])
+    return ("fused" if t_fused <= t_split else "split"), t_fused, t_split

@@ -1,0 +1,44 @@
+"""What the process remembers, in one object with one :meth:`ProcessState.reset`.
+
+* ``signatures``: the gate's per-op (per-region) state: call counters, verified and disabled
+  signatures, launch plans (:mod:`exactdit.gate`);
+* ``graphs``, ``in_parts``: what the engine did to each captured graph, and the blocks captured in
+  parts (:mod:`exactdit.engine.coverage`);
+* ``block_classes``: per patched block class, its capture state (backend, failures, recaptures;
+  :mod:`exactdit.patches.engine`);
+* ``details``: fields a patch shows with its report entry (what a model's CUDA graphs cover,
+  :func:`exactdit.gate.describe`).
+
+The modules that own each part keep a reference to its container and mutate it in place, so
+``reset`` (tests, or a long-lived process that wants a clean slate) clears everything at once. Not
+kept here: caches that hold no decision (compiled kernels, GELU tables checked on the device).
+Imports nothing of exactdit, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+
+class ProcessState:
+    def __init__(self) -> None:
+        self.signatures: dict = {}
+        self.graphs: list = []
+        self.in_parts: dict = {}
+        self.block_classes: dict = {}
+        self.details: dict = {}
+
+    def reset(self) -> None:
+        """Forget everything: verified and disabled signatures, counters, coverage reports, the
+        block classes' capture state."""
+        self.signatures.clear()
+        self.graphs.clear()
+        self.in_parts.clear()
+        self.block_classes.clear()
+        self.details.clear()
+
+
+STATE = ProcessState()
+
+
+def reset() -> None:
+    """``STATE.reset()``."""
+    STATE.reset()

@@ -1,0 +1,187 @@
+"""Fused GEMM regions on the CPU (kernels in Triton's interpreter): an ``mm`` / ``addmm`` with the
+pointwise work after it, against the same ATen graph run by CPU eager.
+
+The interpreter's dot sums in numpy's order, so the GEMM operands here are small integers: every
+partial sum is an integer below 2^24, exact in fp32 in any order, and the accumulator's rounding
+to bf16 (the larger products) is then the one thing that can differ. Whether the kernel gives
+cuBLAS's bits on a GPU is for the gate (and tests/test_gpu_gemm.py) to say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exactdit.engine.backend import rewrite
+from exactdit.engine.templates import gemm
+from tests.engine_helpers import GraphBuilder, trusted
+from tests.helpers import assert_bits_equal
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def small_gemms(monkeypatch):
+    """Fused GEMMs on (they are off by default), for a few hundred rows (the interpreter is slow)."""
+    monkeypatch.setattr(gemm, "MIN_ROWS", 64)
+    monkeypatch.setenv(gemm.CHOICE_ENV, "auto")
+
+
+def _ints(shape, bound, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-bound, bound + 1, shape, generator=g).to(dtype)
+
+
+def _gated_linear(m, k, n, *, bias=True, layout="nk", batch=2, dtype=torch.bfloat16):
+    """``r + gate * linear(x, w, b)`` as a captured block has it: addmm on the flattened rows,
+    a view back to [B, S, N], a per-batch gate."""
+    b = GraphBuilder()
+    x = b.input(_ints((m, k), 8, 1, dtype))
+    if layout == "nk":
+        w = b.input(_ints((n, k), 8, 2, dtype))
+        wt = b.op(aten.t.default, w)
+    else:
+        wt = b.input(_ints((k, n), 8, 2, dtype))
+    if bias:
+        y = b.op(aten.addmm.default, b.input(torch.randn(n).to(dtype)), x, wt)
+    else:
+        y = b.op(aten.mm.default, x, wt)
+    y3 = b.op(aten.view.default, y, [batch, m // batch, n])
+    gate = b.input(torch.randn(batch, 1, n).to(dtype))
+    r = b.input(torch.randn(batch, m // batch, n).to(dtype))
+    out = b.op(aten.add.Tensor, r, b.op(aten.mul.Tensor, gate, y3))
+    return b.module(out), b.inputs
+
+
+class _Values(torch.fx.Interpreter):
+    """Every node's value, by node name (region inputs are nodes of the graph before the rewrite)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def _run(gm, inputs):
+    with torch.no_grad():
+        ref = gm(*inputs)
+        values = _Values(gm)
+        values.values = {}
+        values.run(*inputs)
+        gm.meta["values"] = values.values
+        report = rewrite(gm, "gemm-test")
+        with trusted():
+            out = gm(*inputs)
+    return ref, out, report
+
+
+def _regions(gm):
+    return [n.target.exactdit_region for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")]
+
+
+def _split(gm, op):
+    """The region's other way (cuBLAS, then its epilogue) on the values the graph gave its inputs."""
+    with trusted(), torch.no_grad():
+        return op._split(*[gm.meta["values"][n.name] for n in op.region.inputs])
+
+
+@pytest.mark.parametrize("m,k,n,bias,layout", [
+    (256, 64, 96, True, "nk"),      # one column tile of 128, masked
+    (130, 64, 200, False, "nk"),    # odd rows and columns: the last tiles masked both ways
+    (128, 96, 256, True, "kn"),     # a row-major B, K not a multiple of the 64-wide k-tile
+])
+def test_gemm_with_its_epilogue_equals_eager(m, k, n, bias, layout):
+    gm, inputs = _gated_linear(m, k, n, bias=bias, layout=layout)
+    ref, out, report = _run(gm, inputs)
+    regions = _regions(gm)
+    assert [r.region.kind for r in regions] == ["gemm"], report.lines()
+    assert regions[0].region.alternative is not None  # the epilogue alone (mul, add): one pointwise kernel
+    assert_bits_equal(out[0], ref[0], "gated linear")
+    # cuBLAS, then the epilogue's ATen nodes: the way the runtime times the kernel against
+    assert_bits_equal(_split(gm, regions[0])[0], ref[0])
+
+
+def test_accumulator_rounds_once_before_the_epilogue():
+    """Sums of up to 64 products of integers up to 8: up to 4096, not all bf16 numbers; eager
+    rounds the GEMM's output to bf16 before ``gelu``-free epilogue ops read it."""
+    gm, inputs = _gated_linear(128, 64, 128, bias=False)
+    ref, out, _ = _run(gm, inputs)
+    mm_out = (inputs[0].float() @ inputs[1].float().T)
+    assert not torch.equal(mm_out, mm_out.bfloat16().float())  # the rounding is exercised
+    assert_bits_equal(out[0], ref[0])
+
+
+def test_an_epilogue_of_one_kernel_has_aten_as_its_alternative():
+    b = GraphBuilder()
+    x, w = b.input(_ints((128, 64), 8, 1)), b.input(_ints((64, 64), 8, 2))
+    y = b.op(aten.mm.default, x, b.op(aten.t.default, w))
+    out = b.op(aten.mul.Tensor, y, b.input(torch.randn(64).bfloat16()))
+    gm = b.module(out, y)  # the GEMM's own output is handed back too
+    ref, res, report = _run(gm, b.inputs)
+    (op,) = _regions(gm)
+    assert op.region.kind == "gemm" and op.region.alternative is None and len(op.region.outputs) == 2
+    for o, r in zip(res, ref):
+        assert_bits_equal(o, r)
+    for o, n in zip(_split(gm, op), op.region.outputs):
+        assert_bits_equal(o, gm.meta["values"][n.name], n.name)
+
+
+def test_the_gemm_takes_no_prologue():
+    """A value computed before the GEMM (a modulation of its input) is not in the GEMM's region:
+    the kernel reads A from memory."""
+    b = GraphBuilder()
+    x = b.input(_ints((128, 64), 4, 1))
+    a = b.op(aten.mul.Tensor, b.op(aten.add.Tensor, x, 1), 2)
+    y = b.op(aten.mm.default, a, b.op(aten.t.default, b.input(_ints((64, 64), 4, 2))))
+    out = b.op(aten.mul.Tensor, b.op(aten.add.Tensor, y, 1), 0.5)
+    gm = b.module(out)
+    ref, res, report = _run(gm, b.inputs)
+    kinds = sorted(r.region.kind for r in _regions(gm))
+    assert kinds == ["gemm", "pointwise"], report.lines()
+    gemm_region = next(r.region for r in _regions(gm) if r.region.kind == "gemm")
+    assert a not in gemm_region.nodes
+    assert_bits_equal(res[0], ref[0])
+
+
+@pytest.mark.parametrize("why,build", [
+    ("rows", lambda b: (b.input(_ints((32, 64), 4, 1)), b.input(_ints((64, 64), 4, 2)))),
+    ("fp32", lambda b: (b.input(torch.randn(128, 64)), b.input(torch.randn(64, 64)))),
+    ("rows are not contiguous", lambda b: (b.op(aten.t.default, b.input(_ints((64, 128), 4, 1))),
+                                           b.input(_ints((64, 64), 4, 2)))),
+])
+def test_gemms_the_kernel_does_not_take_stay_with_cublas(why, build):
+    b = GraphBuilder()
+    x, w = build(b)
+    y = b.op(aten.mm.default, x, w)
+    out = b.op(aten.mul.Tensor, b.op(aten.add.Tensor, y, 1), 2)
+    gm = b.module(out)
+    ref, res, report = _run(gm, b.inputs)
+    assert all(r.region.kind != "gemm" for r in _regions(gm))
+    assert any(why in reason for reason in report.gemms_left), report.lines()
+    assert_bits_equal(res[0], ref[0])
+
+
+def test_layout_problem_names_inputs_of_another_layout():
+    gm, inputs = _gated_linear(128, 64, 64)
+    _run(gm, inputs)
+    (op,) = _regions(gm)
+    args = [gm.meta["values"][n.name] for n in op.region.inputs]
+    assert gemm.layout_problem(op.region, args) is None
+    a_pos = op.region.inputs.index(gemm.operands(op.region.anchor)[0])
+    args[a_pos] = args[a_pos].t().contiguous().t()  # same values, columns contiguous
+    assert "layout" in gemm.layout_problem(op.region, args)
+
+
+def test_choice_is_forced_by_the_environment(monkeypatch):
+    monkeypatch.setenv(gemm.CHOICE_ENV, "split")
+    assert gemm.choose(lambda: None, lambda: None, (torch.zeros(1),))[0] == "split"
+    monkeypatch.setenv(gemm.CHOICE_ENV, "auto")
+    assert gemm.choose(lambda *a: None, lambda *a: None, (torch.zeros(1),))[0] == "fused"  # no timing on CPU
+
+
+def test_fused_gemms_are_off_by_default(monkeypatch):
+    monkeypatch.delenv(gemm.CHOICE_ENV)
+    gm, inputs = _gated_linear(128, 64, 64)
+    ref, out, report = _run(gm, inputs)
+    assert all(r.region.kind != "gemm" for r in _regions(gm))
+    assert any("are off" in why for why in report.gemms_left), report.lines()
+    assert_bits_equal(out[0], ref[0])

@@ -1,0 +1,136 @@
+"""Regions the partitioner forms: values computed once, cat pieces read or skipped, per-token
+modulation, collectives kept in order."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+
+from exactdit.engine import timing
+from exactdit.harness import models
+from tests.engine_helpers import (
+    GraphBuilder, assert_partners_move_between_lanes, capture_graphs, rewrite_and_check, rewritten_run,
+)
+from tests.helpers import rand
+
+aten = torch.ops.aten
+
+
+def test_repeated_pure_ops_are_computed_once_and_random_ones_not():
+    from exactdit.engine.backend import dedupe
+
+    b = GraphBuilder()
+    x = b.input(torch.randn(4, 8))
+    a1, a2 = b.op(aten.silu.default, x), b.op(aten.silu.default, x)
+    r1, r2 = b.op(aten.rand_like.default, x), b.op(aten.rand_like.default, x)
+    gm = b.module(b.op(aten.add.Tensor, a1, a2), r1, r2)
+    assert dedupe(gm.graph) == 1
+    assert [n.target for n in gm.graph.nodes].count(aten.silu.default) == 1
+    assert [n.target for n in gm.graph.nodes].count(aten.rand_like.default) == 2
+
+
+def test_a_region_reads_an_empty_cat_piece_it_never_loads():
+    # x_in[..., rot_dim:] is empty when RoPE covers the whole head (ERNIE-Image); under context
+    # parallelism it slices a graph input, which the region's ATen reference must still receive
+    def build(b, x, w, passed):
+        y = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x, w), x)
+        rest = b.op(aten.slice.Tensor, passed, 1, 8, 9223372036854775807)
+        return (b.op(aten.mul.Tensor, b.op(aten.cat.default, [y, rest], -1), 2.0),)
+
+    rewritten_run(build, [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)])
+
+
+def test_a_cat_sliced_to_its_first_piece_reads_only_that_piece():
+    # HunyuanVideo's token refiner in fp32: cat([a, b], -1)[..., :width of a]; the slice's columns
+    # all lie in the first piece, which needs no selection, and the second is never loaded
+    def build(b, x, y):
+        cat = b.op(aten.cat.default, [b.op(aten.mul.Tensor, x, 3.0), y], 1)
+        return (b.op(aten.add.Tensor, b.op(aten.slice.Tensor, cat, 1, 0, 128), 1.0),)
+
+    sources = []
+    rewritten_run(build, [torch.randn(2, 128), torch.randn(2, 64)], sources)
+    assert sources and all("in1_ptr" not in s.split("):", 1)[1] for s in sources), sources
+
+
+def test_rope_written_through_strided_slices_of_an_empty_tensor():
+    # Wan's RoPE: out = empty_like(x); out[..., 0::2] = a; out[..., 1::2] = b, functionalized into
+    # copy + slice_scatter; the uninitialised values are all overwritten, so the region is exact
+    def build(b, x, c, s):
+        x1, x2 = (b.op(aten.slice.Tensor, x, -1, k, 9223372036854775807, 2) for k in (0, 1))
+        even = b.op(aten.sub.Tensor, b.op(aten.mul.Tensor, x1, c), b.op(aten.mul.Tensor, x2, s))
+        odd = b.op(aten.add.Tensor, b.op(aten.mul.Tensor, x1, s), b.op(aten.mul.Tensor, x2, c))
+        out = b.op(aten.empty_like.default, x)
+        for k, v in enumerate((even, odd)):
+            dst = b.op(aten.slice.Tensor, out, -1, k, 9223372036854775807, 2)
+            out = b.op(aten.slice_scatter.default, out, b.op(aten.copy.default, dst, v), -1, k, 9223372036854775807, 2)
+        return (b.op(aten._to_copy.default, out, dtype=torch.bfloat16),)
+
+    x = torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)
+    sources = []
+    report = rewritten_run(build, [x, torch.randn(5, 1, 8), torch.randn(5, 1, 8)], sources)
+    assert not any("slice_scatter" in line and "left" in line for line in report.lines()), report.lines()
+    assert_partners_move_between_lanes(sources)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_per_token_modulation_picked_by_an_integer_index(index_dtype):
+    # Qwen-Image-Edit-2511: where(index == 0, mod_target, mod_condition) per token, then modulate
+    def build(b, x, index, s0, s1):
+        pick = b.op(aten.unsqueeze.default, b.op(aten.eq.Scalar, index, 0), -1)
+        scale = b.op(aten.where.self, pick, s0, s1)
+        return (b.op(aten.mul.Tensor, x, b.op(aten.add.Tensor, scale, 1)),)
+
+    g = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 2, (2, 37), generator=g, dtype=index_dtype)
+    inputs = [rand((2, 37, 64), torch.bfloat16, "cpu", g), index,
+              rand((2, 1, 64), torch.bfloat16, "cpu", g), rand((2, 1, 64), torch.bfloat16, "cpu", g)]
+    report = rewritten_run(build, inputs)
+    assert any("eq" in line and "region" in line for line in report.lines()), report.lines()
+
+
+def test_per_token_modulation_read_in_pieces_fuses_into_each_consumer():
+    # Wan2.2-TI2V-5B: one timestep per token, (table + temb.float()).chunk(6, dim=2) read by six
+    # regions: each computes its own piece instead of ATen writing the float32 sum
+    cfg = dict(models.get_spec("wan").config("tiny"), in_channels=48, out_channels=48)
+    tr = models.build_transformer("wan", cfg, dtype=torch.bfloat16, seed=4)
+    kw = models.forward_inputs("wan", tr, batch=2, seed=5, height=64, width=64, num_frames=5)
+    assert kw["timestep"].shape == (2, 2 * 2 * 2) and kw["timestep"].stride(0) == 0
+    for _, gm, inputs in capture_graphs(tr, kw):
+        report = rewrite_and_check(gm, inputs, "wan2.2")
+        left = next(line for line in report.lines() if "left to ATen" in line)
+        assert re.search(r"\b(add|_to_copy) x", left) is None, left
+    # the coverage report counts the captured sum, which no longer runs, as fused
+    assert all(g.share == 1.0 for g, _, _ in timing.measure(tr, kw))
+
+
+def test_a_value_read_whole_and_in_pieces_is_computed_once():
+    from exactdit.engine.backend import split_per_piece
+
+    x, t = torch.randn(4, 3, 8, dtype=torch.bfloat16), torch.randn(3, 8)
+    b = GraphBuilder()
+    total = b.op(aten.add.Tensor, b.op(aten._to_copy.default, b.input(x), dtype=torch.float32), b.input(t))
+    gm = b.module(*[b.op(aten.mul.Tensor, piece, 2.0) for piece in b.op(aten.split.Tensor, total, 1, 1)])
+    expected = gm(x, t)
+    assert split_per_piece(gm.graph) == 3  # each piece gets its own add and cast
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes].count(aten.add.Tensor) == 3
+    assert [n.target for n in gm.graph.nodes].count(aten._to_copy.default) == 3
+    assert all(torch.equal(a, e) for a, e in zip(gm(x, t), expected))
+    b = GraphBuilder()
+    total = b.op(aten.add.Tensor, b.input(x), b.input(t))
+    gm = b.module(total, *b.op(aten.split.Tensor, total, 1, 1))
+    assert split_per_piece(gm.graph) == 0  # also read whole: computed once, as captured
+
+
+def test_collectives_are_neither_merged_nor_reordered():
+    from exactdit.engine.backend import _effectful, _pure
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    c10d = torch.ops._c10d_functional
+    for target in (c10d.all_to_all_single.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default):
+        assert not _pure(target) and _effectful(g.call_function(target, (x,)))
+    assert _pure(aten.mul.Tensor) and not _effectful(g.call_function(aten.mul.Tensor, (x, x)))

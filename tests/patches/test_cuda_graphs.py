@@ -1,0 +1,549 @@
+"""CUDA-graph mode, what the CPU can check: when a call may not be replayed from a graph and why,
+and that such calls run the model unchanged (replays themselves: tests/patches/test_gpu_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import exactdit
+from exactdit.harness import models
+from exactdit.patches import cuda_graphs
+from exactdit.patches.cuda_graphs import _ModelWatch
+from tests.helpers import assert_bits_equal
+
+
+@pytest.fixture
+def flux():
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=3)
+    return tr, models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=4)
+
+
+def test_cpu_calls_run_the_model_and_say_why(flux):
+    tr, kw = flux
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        summary = exactdit.patch(tr, cuda_graphs=True)
+        out = tr(**kw, return_dict=False)[0]
+        assert cuda_graphs.graphed(tr) is not None
+        exactdit.unpatch(tr)
+    assert summary["cuda_graphs"] and cuda_graphs.graphed(tr) is None
+    assert_bits_equal(out, ref)
+    reasons = exactdit.report(show=False)["cuda_graphs.FluxTransformer2DModel"]["eager_reasons"]
+    assert list(reasons) == ["a tensor argument not on a CUDA device"]
+
+
+def test_a_compiled_model_keeps_its_compile(flux):
+    tr, _ = flux
+    tr.compile(backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = exactdit.patch(tr, cuda_graphs=True)
+    exactdit.unpatch(tr)
+    assert summary["cuda_graphs"] is False and any("no CUDA graphs" in str(w.message) for w in caught)
+    assert tr._compiled_call_impl is not None and cuda_graphs.graphed(tr) is None
+
+
+def test_the_state_key_follows_what_a_graph_freezes(flux):
+    tr, _ = flux
+    watch = _ModelWatch(tr)
+    with torch.no_grad():
+        key, reason, not_whole = watch.state()
+        assert reason is None and not_whole is None and watch.state()[0] == key
+        tr.proj_out.weight.mul_(2)  # in place: a replay reads it
+        assert watch.state()[0] == key
+        tr.proj_out.weight.data = tr.proj_out.weight.data.clone()  # moved
+        moved = watch.state()[0]
+        assert moved != key
+        states = [moved]
+        changes = [lambda: tr.train(), lambda: tr.eval(),
+                   lambda: tr.transformer_blocks[0].attn.set_processor(type(tr.transformer_blocks[0].attn.processor)()),
+                   lambda: setattr(tr.transformer_blocks[0].norm1, "extra", torch.nn.Identity())]  # a new module
+        for change in changes:
+            change()
+            states.append(watch.state()[0])
+            assert states[-1] != states[-2] and watch.state()[0] == states[-1]
+    tr.proj_out.weight.requires_grad_(True)
+    assert watch.state()[1] == "autograd is recording"
+    with torch.no_grad():
+        assert watch.state()[1] is None
+
+
+def _hook_reason(tr):
+    """Why no graph at all, or else why not the whole forward (its blocks may be graphed)."""
+    with torch.no_grad():
+        _, never, not_whole = _ModelWatch(tr).state()
+        return never or not_whole
+
+
+def test_hooks_a_graph_cannot_hold_are_named(flux):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    tr, _ = flux
+    handle = tr.transformer_blocks[0].register_forward_hook(lambda *a: None)
+    assert _hook_reason(tr) == "torch forward hooks run Python between kernels"
+    handle.remove()
+    assert _hook_reason(tr) is None
+    add_hook_to_module(tr.proj_out, ModelHook())
+    assert "accelerate" in _hook_reason(tr)
+    tr2 = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=3)
+    apply_first_block_cache(tr2, FirstBlockCacheConfig(threshold=0.3))
+    assert "diffusers hooks" in _hook_reason(tr2)
+
+
+def test_lora_adapters_are_named(flux):
+    from peft import LoraConfig
+
+    tr, _ = flux
+    tr.add_adapter(LoraConfig(r=4, target_modules=["to_q"]))
+    assert "LoRA" in _hook_reason(tr)
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: b[1:, ::2],                    # a gapped view at an offset
+    lambda b: b[:, :1].expand(6, 4),         # broadcast: one memory location per row
+    lambda b: b.t(),                         # transposed
+    lambda b: b[0, 3],                       # a 0-dim element
+], ids=["gapped", "expanded", "transposed", "scalar"])
+def test_static_buffers_keep_the_argument_layout_and_alignment(make):
+    from exactdit.patches.cuda_graphs import _static_like, _written
+
+    t = make(torch.randn(6, 8))
+    static = _static_like(t)
+    assert static.stride() == t.stride() and static.shape == t.shape
+    assert static.data_ptr() % 64 == t.data_ptr() % 64  # (CUDA blocks: 512; CPU: 64)
+    assert torch.equal(static, t)
+    fresh = make(torch.randn(6, 8))  # the next call's argument, same key
+    _written(static).copy_(_written(fresh))
+    assert torch.equal(static, fresh)
+
+
+# --- block runs: the recording decisions, with a stand-in for CUDA graphs on the CPU ------------------
+
+
+class _StandInGraph:
+    """Replays by running the recorded call again on its static inputs and writing the results
+    into its static outputs (what a CUDA graph's replay does to its memory)."""
+
+    def __init__(self, rerun, out):
+        self.rerun, self.out = rerun, out
+
+    def replay(self):
+        for static, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(self.rerun())):
+            if isinstance(static, torch.Tensor):
+                static.copy_(new)
+
+
+class StandInGraphs(cuda_graphs._CudaGraphs):
+    """CPU tensors accepted; ``fail``: what a capture raises, by what is recorded ("forward", "block")."""
+
+    align = 64  # the CPU allocator's
+
+    def __init__(self, fail=None):
+        self.fail = fail or {}
+        self.captures = []
+
+    def unsupported(self, leaves):
+        return None if any(isinstance(x, torch.Tensor) for x in leaves) else "no tensor arguments"
+
+    def new_pool(self):
+        return "pool"
+
+    def capture(self, pool, alloc, run, what):
+        if what in self.fail:
+            raise RuntimeError(self.fail[what])
+        made = alloc()
+        out = run(made)
+        self.captures.append(what)
+        return _StandInGraph(lambda: run(made), out), made, out
+
+    def failed(self, device):
+        pass
+
+    def reserved(self, device):
+        return 0
+
+    def empty_cache(self):
+        pass
+
+    def unowned(self, t):
+        return t
+
+
+HOST_COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16, elementwise_affine=False)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, temb, scale=1.0):
+        return x + self.proj(self.norm(x) * (1 + temb)) * scale
+
+
+class ToyModel(torch.nn.Module):
+    """Blocks between host work (a mask made on the host each call, as Chroma's forward does)."""
+
+    _repeated_blocks = ["ToyBlock"]
+
+    def __init__(self, blocks=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([ToyBlock() for _ in range(blocks)])
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x, temb):
+        keep = torch.tensor([1.0] * x.shape[0], dtype=x.dtype).view(-1, 1, 1)  # host work
+        for block in self.blocks:
+            x = block(x, temb)
+        return self.out(x * keep)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    def make(**fail):
+        kind = StandInGraphs(fail)
+        monkeypatch.setattr(cuda_graphs, "KIND", kind)
+        return kind
+
+    return make
+
+
+def _toy(seed=0, blocks=3):
+    torch.manual_seed(seed)
+    return ToyModel(blocks).to(torch.bfloat16).eval()
+
+
+def _toy_inputs(seed, tokens=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, tokens, 16, generator=g).to(torch.bfloat16),
+            torch.randn(2, 1, 16, generator=g).to(torch.bfloat16))
+
+
+def _entry(name="ToyModel"):
+    return exactdit.report(show=False).get(f"cuda_graphs.{name}", {})
+
+
+def _blocks(name="ToyModel"):
+    return exactdit.report(show=False).get(f"cuda_graphs.{name}.blocks", {"fused": 0, "eager": 0, "eager_reasons": {}})
+
+
+@torch.no_grad()
+def _calls(tr, inputs):
+    return [tr(*a) for a in inputs]
+
+
+def test_a_forward_that_cannot_be_recorded_whole_records_its_blocks(stand_in):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    inputs = [_toy_inputs(s) for s in range(4)]
+    refs = _calls(tr, inputs)
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, inputs)
+    finally:
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    # call 1 runs normally, the whole forward's recording fails; call 2 records each block; 3, 4 replay
+    assert kind.captures == ["block"] * 3
+    e = _entry()
+    assert e["graphed"] == "block runs" and HOST_COPY in e["graphed_why"], e
+    assert e["eager_reasons"] == {cuda_graphs.FIRST_CALL: 1, f"block runs: {e['graphed_why']}": 3}
+    b = _blocks()
+    assert b["fused"] == 9 and b["eager"] == 0, b
+    shown = str(exactdit.report(show=False))
+    assert "CUDA graphs of ToyModel: block runs (the whole forward cannot be recorded" in shown
+
+
+def test_a_recordable_forward_is_recorded_whole(stand_in):
+    kind = stand_in()
+    tr = _toy()
+    inputs = [_toy_inputs(s) for s in range(3)]
+    refs = _calls(tr, inputs)
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, inputs)
+    finally:
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert kind.captures == ["forward"]
+    assert _entry()["graphed"] == "whole forward" and _entry()["fused"] == 2
+    assert _blocks()["fused"] == _blocks()["eager"] == 0
+
+
+def test_block_graphs_follow_signatures_and_outputs_are_not_overwritten(stand_in):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    # two sequence lengths alternate (a true-CFG pipeline's two calls): two signatures per block
+    inputs = [_toy_inputs(s, tokens=8 if s % 2 else 4) for s in range(8)]
+    refs = _calls(tr, inputs)
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        with torch.no_grad():
+            outs = []
+            for a in inputs:
+                outs.append(tr(*a))
+                kept = [o.clone() for o in outs]
+    finally:
+        exactdit.unpatch(tr)
+    for out, k, ref in zip(outs, kept, refs):
+        assert_bits_equal(out, ref)
+        assert_bits_equal(out, k)  # later replays left the returned outputs alone
+    assert kind.captures == ["block"] * 6
+    assert _blocks()["fused"] == 3 * 6 and _blocks()["eager"] == 0
+
+
+def test_moved_weights_and_train_eval_drop_the_block_graphs(stand_in):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    a = _toy_inputs(1)
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        _calls(tr, [a, a, a])
+        assert kind.captures == ["block"] * 3
+        with torch.no_grad():
+            tr.blocks[1].proj.weight.mul_(2)  # in place: the replays read it
+        out = _calls(tr, [a])[0]
+        assert kind.captures == ["block"] * 3
+        for p in tr.parameters():  # moved: a replay would read freed memory
+            p.data = p.data.clone()
+        graphed = cuda_graphs.graphed(tr)
+        _calls(tr, [a])
+        assert not any(isinstance(r, cuda_graphs._BlockGraph) for t in graphed.blocks.values() for r in t.values())
+        _calls(tr, [a, a])  # verified again, recorded, replayed
+        assert kind.captures == ["block"] * 6
+        tr.train()
+        _calls(tr, [a])  # (a call in train mode: the graphs go)
+        assert graphed.summary()["block_graphs"] == 0
+        tr.eval()
+        _calls(tr, [a])
+        assert graphed.summary()["block_graphs"] == 0
+        moved = _calls(tr, [a, a])[-1]
+    finally:
+        exactdit.unpatch(tr)
+    ref_in_place = _calls(tr, [a])[0]
+    assert_bits_equal(out, ref_in_place)
+    assert_bits_equal(moved, ref_in_place)
+    assert kind.captures == ["block"] * 9
+
+
+def test_a_block_with_hooks_on_its_layers_is_not_recorded(stand_in):
+    kind = stand_in()
+    tr = _toy()
+    seen = []
+    tr.blocks[1].proj.register_forward_hook(lambda m, i, o: seen.append(1))
+    a = _toy_inputs(1)
+    ref = _calls(tr, [a])[0]
+    seen.clear()
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a, a, a])
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert kind.captures == ["block"] * 2  # blocks 0 and 2; no attempt at the whole forward
+    e = _entry()
+    assert e["graphed"] == "block runs" and e["graphed_why"] == "torch forward hooks run Python between kernels"
+    b = _blocks()
+    assert b["fused"] == 4 and b["eager_reasons"] == {
+        cuda_graphs.FIRST_BLOCK_CALL: 2, "torch forward hooks on its layers run Python inside its graph": 3}, b
+
+
+def test_blocks_under_diffusers_hooks_are_recorded_beneath_them(stand_in):
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    kind = stand_in()
+    tr = _toy()
+    a = _toy_inputs(2)
+    ref = _calls(tr, [a])[0]
+    HookRegistry.check_if_exists_or_initialize(tr.blocks[0]).register_hook(Counting(), "counting")
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a, a, a])
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert Counting.calls == 3  # the hook's Python ran at every call, replays included
+    assert kind.captures == ["block"] * 3
+    assert "diffusers hooks (counting)" in _entry()["graphed_why"]
+    assert _blocks()["fused"] == 6 and _blocks()["eager_reasons"] == {cuda_graphs.FIRST_BLOCK_CALL: 3}
+
+
+@pytest.mark.parametrize("setup, why", [
+    (lambda tr: setattr(tr, "_parallel_config", object()), "context parallelism"),
+    (lambda tr: __import__("diffusers").hooks.HookRegistry.check_if_exists_or_initialize(tr.blocks[0]).register_hook(
+        __import__("diffusers").hooks.ModelHook(), "group_offloading"), "move or cast weights"),
+    (lambda tr: tr.blocks[0].proj.weight.requires_grad_(True), "autograd is recording"),
+], ids=["context-parallel", "group-offloading", "autograd"])
+def test_what_no_graph_may_hold(stand_in, setup, why):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    setup(tr)
+    a = _toy_inputs(3)
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        with torch.set_grad_enabled(why == "autograd is recording"):
+            for _ in range(3):
+                tr(*a)
+    finally:
+        exactdit.unpatch(tr)
+    assert kind.captures == []
+    e = _entry()
+    assert e["graphed"] == "nothing" and why in e["graphed_why"] and e["eager"] == 3, e
+
+
+class WritingBlock(ToyBlock):
+    def forward(self, x, temb, scale=1.0):
+        temb.mul_(1)  # writes into an input: the caller's tensor would not see it from a replay
+        return super().forward(x, temb, scale)
+
+
+def test_a_block_that_writes_into_its_inputs_is_not_recorded(stand_in):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    tr._repeated_blocks = ["WritingBlock"]
+    tr.blocks[1] = WritingBlock().to(torch.bfloat16)
+    a = _toy_inputs(4)
+    ref = _calls(tr, [a])[0]
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a] * 4)
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert _blocks()["eager_reasons"] == {"the block writes into its inputs": 3}, _blocks()
+    assert _blocks()["fused"] == 0 and kind.captures == ["block"]
+
+
+def test_a_failed_block_recording_runs_the_block_with_the_reason(stand_in):
+    stand_in(forward=HOST_COPY, block="operation not permitted when stream is capturing")
+    tr = _toy()
+    a = _toy_inputs(5)
+    ref = _calls(tr, [a])[0]
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a] * 3)
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    why = "recording failed: RuntimeError: operation not permitted when stream is capturing"
+    assert _blocks()["eager_reasons"] == {why: 6} and _blocks()["fused"] == 0
+    assert cuda_graphs.graphed(tr) is None
+
+
+@pytest.mark.parametrize("name, lens", [("qwen", [7, 4]), ("chroma", [7, 4])], ids=["qwen-padded", "chroma-padded"])
+def test_masked_diffusers_forwards_run_as_block_runs(stand_in, name, lens):
+    # the real forwards (masks made and read around the blocks) with a capture that fails on the
+    # whole forward as CUDA's does: every engine block call is recorded and replayed, bit for bit
+    from exactdit.patches import engine
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=1)
+    calls = [models.forward_inputs(name, tr, batch=2, text_len=lens, seed=s, height=32, width=32) for s in range(3)]
+    refs = [models.run_forward(tr, kw) for kw in calls]
+    try:
+        exactdit.patch(tr, cuda_graphs=True)
+        with torch.no_grad():
+            outs = [models.run_forward(tr, kw) for kw in calls]
+    finally:
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    per_forward = len(engine.targets(tr))
+    assert kind.captures == ["block"] * per_forward
+    cls = type(tr).__name__
+    assert _entry(cls)["graphed"] == "block runs"
+    assert _blocks(cls)["fused"] == 2 * per_forward and _blocks(cls)["eager"] == 0, _blocks(cls)
+
+
+def test_block_outputs_are_copied_out_with_their_layouts_and_aliasing():
+    from exactdit.patches.cuda_graphs import _Outputs
+
+    base = torch.randn(2, 12, 8)
+    joint = base[:, 1:]                       # a view at an offset, gapped between rows
+    out = (joint[:, :4], joint[:, 4:], torch.arange(6.).view(2, 3).t(), None, 7)
+    outputs = _Outputs(out, align=64)
+    copied = outputs.copy()
+    a, b, c, none, seven = copied
+    assert none is None and seven == 7
+    for new, old in zip((a, b, c), out[:3]):
+        assert torch.equal(new, old) and new.stride() == old.stride() and new.shape == old.shape
+        assert new.data_ptr() % 64 == old.data_ptr() % 64 and new.data_ptr() != old.data_ptr()
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # still views of one copy
+    assert b.data_ptr() - a.data_ptr() == out[1].data_ptr() - out[0].data_ptr()
+    base.zero_()  # the next replay rewrites the pool: what was copied out stays
+    assert torch.equal(a, copied[0]) and a.abs().sum() > 0
+
+
+class OptionsBlock(ToyBlock):
+    def forward(self, x, temb, scale=1.0, options=None):
+        return super().forward(x, temb, options.scale if options is not None else scale)
+
+
+def test_a_block_given_an_object_is_not_recorded(stand_in):
+    import types
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    tr._repeated_blocks = ["OptionsBlock"]
+    tr.blocks[0] = OptionsBlock().to(torch.bfloat16)
+    options = types.SimpleNamespace(scale=1.0)
+    forward = tr.forward
+
+    def with_options(x, temb):  # (an instance forward: the whole forward is not recorded either)
+        keep = torch.tensor([1.0] * x.shape[0], dtype=x.dtype).view(-1, 1, 1)
+        x = tr.blocks[0](x, temb, options=options)
+        for block in tr.blocks[1:]:
+            x = block(x, temb)
+        return tr.out(x * keep)
+
+    a = _toy_inputs(6)
+    ref = _calls(tr, [a])[0]
+    tr.forward = with_options
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = _calls(tr, [a] * 3)
+        options.scale = 0.5  # read at every call: a recording would have frozen 1.0
+        halved = _calls(tr, [a])[0]
+    finally:
+        exactdit.unpatch(tr)
+        tr.forward = forward
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert not torch.equal(halved, ref)
+    reasons = _blocks()["eager_reasons"]
+    assert reasons == {"an argument that is neither a tensor nor a plain value": 4}, reasons
+    assert kind.captures == []
+
+
+def test_a_deleted_graphed_model_is_released(stand_in):
+    import gc
+    import weakref
+
+    stand_in(forward=HOST_COPY)
+    tr = _toy()
+    a = _toy_inputs(7)
+    exactdit.patch(tr, cuda_graphs=True)
+    outs = _calls(tr, [a] * 3)  # recorded and replayed: block tables, outputs, the runner
+    alive = weakref.ref(tr)
+    del tr, outs
+    gc.collect()
+    assert alive() is None

@@ -1,0 +1,320 @@
+"""exactdit.patch on models: patch/unpatch and the report, blocks with graph breaks captured in
+parts, recapture limits, diffusers' hooks and caches around captured blocks, group offloading."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import exactdit
+from exactdit.engine import coverage
+from exactdit.harness import models
+from tests.engine_helpers import engine_eager_reasons, graph_break_then, wrap_feed_forward
+from tests.helpers import assert_bits_equal
+
+aten = torch.ops.aten
+
+
+def test_patch_unpatch_and_report_on_a_model():
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        summary = exactdit.patch(tr)
+        out = tr(**kw, return_dict=False)[0]
+        assert summary["modules"]["FluxTransformerBlock"] == 1
+        assert exactdit.unpatch(tr)["restored"]["FluxSingleTransformerBlock"] == 1
+        again = tr(**kw, return_dict=False)[0]
+    assert_bits_equal(out, ref) and assert_bits_equal(again, ref)
+    assert all(m._compiled_call_impl is None for m in tr.modules())
+    rep = exactdit.report(show=False)
+    assert any(v["fused"] for k, v in rep.items() if k.startswith("FluxTransformer2DModel"))
+
+
+FLUX_BLOCK = "FluxTransformer2DModel.FluxTransformerBlock"
+FLUX_SINGLE_BLOCK = "FluxTransformer2DModel.FluxSingleTransformerBlock"
+
+
+def _flux_with_feed_forward(wrap, seed: int):
+    """A tiny Flux whose first double block's feed-forward runs ``wrap(ff, x)``, and its inputs."""
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=seed)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=seed + 1)
+    wrap_feed_forward(tr.transformer_blocks[0], wrap)
+    return tr, kw
+
+
+def _patched_runs(tr, kws: list) -> tuple[list, list, list]:
+    """(eager outputs, patched outputs, warnings) of one forward per inputs in ``kws``."""
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in kws]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [tr(**kw, return_dict=False)[0] for kw in kws]
+        exactdit.unpatch(tr)
+    return refs, outs, [str(w.message) for w in caught]
+
+
+def _block_graphs(label: str) -> list:
+    return [g for g in coverage.graphs() if g.name.startswith(label + "#")]
+
+
+def test_a_block_with_a_graph_break_is_captured_in_parts():
+    """A graph break inside a block (its feed-forward calls code Dynamo does not trace): the block
+    runs as Dynamo's graphs around the break, each rewritten and fused; equal, listed in the
+    report with the reason, nothing run eager, nothing captured again on a second call."""
+    tr, kw = _flux_with_feed_forward(graph_break_then, seed=8)
+    refs, outs, warned = _patched_runs(tr, [kw, kw])
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert "graph_break" in coverage.in_parts()[FLUX_BLOCK], coverage.in_parts()
+    assert any("captured in parts" in w for w in warned), warned
+    graphs = _block_graphs(FLUX_BLOCK)
+    assert len([g for g in graphs if g.regions]) >= 2, [g.lines() for g in graphs]  # both sides of the break
+    rep = exactdit.report(show=False)
+    ran = {k.rsplit(".r", 1)[0] for k, v in rep.items() if FLUX_BLOCK + "#" in k and v["fused"]}
+    assert len(ran) >= 2, ran
+    assert engine_eager_reasons() == {}
+    assert f"captured in parts (graph breaks): {FLUX_BLOCK}" in str(rep)
+    # the second forward reused the graphs: each region ran once per forward
+    assert all(v["fused"] == 2 for k, v in rep.items() if FLUX_BLOCK + "#" in k and v["fused"])
+
+
+def test_a_block_dynamo_captures_nothing_of_runs_eager_with_the_reason():
+    """A block whose whole forward Dynamo must skip (here ``torch.compiler.disable``d): no graph
+    runs even in parts, so it runs diffusers' code, counted with the reason, and is not captured
+    again."""
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=8)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=9)
+    block = tr.transformer_blocks[0]
+    block.forward = torch.compiler.disable(block.forward)
+    refs, outs, warned = _patched_runs(tr, [kw, kw])
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert any("runs diffusers' code" in w for w in warned), warned
+    reasons = exactdit.report(show=False)[f"engine.{FLUX_BLOCK}"]["eager_reasons"]
+    assert len(reasons) == 1 and next(iter(reasons)).startswith("not captured: "), reasons
+    assert sum(reasons.values()) == 2  # both calls
+
+
+def test_parts_captured_again_for_inputs_already_run_fall_back_to_eager():
+    """A value read after a graph break that changes between calls (a routing count, here a
+    setting) makes Dynamo capture the parts again for inputs the block has run: after
+    RECAPTURES_ALLOWED such calls, rather than capturing on every step, the block runs diffusers'
+    code from its next call on."""
+    from exactdit.patches.engine import RECAPTURED_REASON, RECAPTURES_ALLOWED
+
+    setting = {"k": 1}
+
+    def reads_a_value(ff, x):
+        torch._dynamo.graph_break()
+        y = ff(x)
+        k = setting["k"]
+        return torch.cat([y[:, :k], y[:, k:]], dim=1)  # y, whatever k: the graph specialises on it
+
+    tr, kw = _flux_with_feed_forward(reads_a_value, seed=8)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        outs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k in range(1, RECAPTURES_ALLOWED + 4):
+                setting["k"] = k
+                outs.append(tr(**kw, return_dict=False)[0])
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    reasons = exactdit.report(show=False)[f"engine.{FLUX_BLOCK}"]["eager_reasons"]
+    assert reasons == {RECAPTURED_REASON: 1}  # the last call; the one before still ran the graphs it captured
+
+
+def test_shapes_beyond_dynamos_recompile_limit_run_eager_and_the_captured_ones_stay_fused():
+    from exactdit.patches.engine import RECOMPILE_LIMIT, RECOMPILE_LIMIT_REASON
+
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=h, width=32, seed=7) for h in (16, 32, 48)]
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in calls]
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=8):
+            exactdit.patch(tr)
+            assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+        with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs = [tr(**kw, return_dict=False)[0] for kw in calls]
+            runs = _graph_runs("FluxTransformerBlock")
+            again = tr(**calls[0], return_dict=False)[0]
+            assert _graph_runs("FluxTransformerBlock") == runs + 1  # the first shape's graph ran
+        exactdit.unpatch(tr)
+    for out, ref in zip(outs + [again], refs + refs[:1]):
+        assert_bits_equal(out, ref)
+    reasons = exactdit.report(show=False)["engine.FluxTransformer2DModel.FluxTransformerBlock"]["eager_reasons"]
+    assert list(reasons) == [RECOMPILE_LIMIT_REASON]
+
+
+def _graph_runs(block: str) -> int:
+    """Calls of the first region of every captured graph of ``block``'s class."""
+    rep = exactdit.report(show=False)
+    return sum(v["fused"] + v["eager"] for k, v in rep.items() if f".{block}#" in k and k.endswith(".r0"))
+
+
+def _hooks_hold_the_class_forward(blocks) -> bool:
+    """Each block's diffusers hook chain ends in the block class's own forward (as before a patch)."""
+    def innermost(ref):
+        return ref.original_forward if ref.original_forward is not None else ref.forward
+
+    return all(innermost(b._diffusers_hook._fn_refs[0]).__func__ is type(b).forward for b in blocks)
+
+
+def _cached_flux(cache_config, seeds, layers=(2, 2)):
+    """A tiny Flux with a diffusers cache enabled, one forward's inputs per seed, and ``denoise()``
+    running them in order in one cache context (the cache's state reset first)."""
+    from diffusers.hooks import HookRegistry
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": layers[0], "num_single_layers": layers[1]}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    calls = [models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=s) for s in seeds]
+    tr.enable_cache(cache_config)
+
+    def denoise():
+        HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
+        with torch.no_grad(), tr.cache_context("cond"):
+            return [tr(**kw, return_dict=False)[0] for kw in calls]
+
+    return tr, calls, denoise
+
+
+def test_first_block_cache_hooks_run_around_the_captured_blocks():
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    # the second call repeats the first input: the cache skips the blocks after the first
+    tr, calls, denoise = _cached_flux(FirstBlockCacheConfig(threshold=0.3), seeds=(7, 7, 8), layers=(3, 2))
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    out = denoise()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    assert engine_eager_reasons() == {}
+    # the cache's head block runs its graph on all three calls (inside the hook's compiler-disabled
+    # new_forward), blocks 1 and 2 on the two calls the cache does not skip
+    assert _graph_runs("FluxTransformerBlock") == 3 + 2 * 2
+    assert _graph_runs("FluxSingleTransformerBlock") == 2 * 2
+    exactdit.unpatch(tr)
+    assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
+    assert_bits_equal(denoise()[2], ref[2])  # unpatched, hooks as they were
+    # hooks removed while patched: the blocks run their graphs without them
+    exactdit.patch(tr)
+    denoise()
+    tr.disable_cache()
+    runs = _graph_runs("FluxTransformerBlock")
+    with torch.no_grad():
+        assert_bits_equal(tr(**calls[2], return_dict=False)[0], ref[2])  # a call the cache computed in full
+    exactdit.unpatch(tr)
+    assert _graph_runs("FluxTransformerBlock") == runs + 3 and engine_eager_reasons() == {}
+    assert all(type(b.forward).__name__ == "method" for b in tr.transformer_blocks)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offloading_keeps_working(offload_type):
+    """Group offloading (its hooks move parameters in torch.compiler.disable'd functions): with
+    hooks on the blocks the blocks' forwards still run captured inside them; with hooks on the
+    layers inside a block (leaf level) each hook breaks the graph and the block is captured in parts."""
+    from diffusers.hooks import apply_group_offloading
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    cpu = torch.device("cpu")
+    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type=offload_type,
+                           **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # leaf level: "captured in parts"
+        outs = [tr(**kw, return_dict=False)[0] for _ in range(2)]
+        exactdit.unpatch(tr)
+        outs.append(tr(**kw, return_dict=False)[0])
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert engine_eager_reasons() == {}
+    in_parts = coverage.in_parts()
+    if offload_type == "block_level":
+        assert not in_parts
+        assert _graph_runs("FluxTransformerBlock") == 2 * 2 and _graph_runs("FluxSingleTransformerBlock") == 2 * 3
+        assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
+    else:
+        assert set(in_parts) >= {FLUX_BLOCK, FLUX_SINGLE_BLOCK}, in_parts
+        assert all(why.startswith("(blocks with hooks on their layers)") for why in in_parts.values())
+        assert any(v["fused"] for k, v in exactdit.report(show=False).items() if k.startswith(FLUX_BLOCK + "#"))
+
+
+@pytest.mark.parametrize("cache", ["pyramid_attention_broadcast", "mag_cache", "sea_cache"])
+def test_caches_on_blocks_run_with_the_blocks_captured(cache):
+    from diffusers.hooks import MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig
+
+    steps = 4
+    config = {
+        "pyramid_attention_broadcast": lambda: PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1000),
+            current_timestep_callback=lambda: 500),
+        "mag_cache": lambda: MagCacheConfig(num_inference_steps=steps, mag_ratios=[1.0] * steps, threshold=0.5),
+        "sea_cache": lambda: SeaCacheConfig(),
+    }[cache]
+    tr, _, denoise = _cached_flux(config(), seeds=range(10, 10 + steps))
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    out = denoise()
+    exactdit.unpatch(tr)
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    assert engine_eager_reasons() == {}
+    assert _graph_runs("FluxTransformerBlock") > 0 and _graph_runs("FluxSingleTransformerBlock") > 0
+
+
+def test_hooks_inside_blocks_capture_those_blocks_in_parts_until_removed():
+    """TaylorSeer hooks each block's attention layer (a compiler-disabled forward inside the
+    block): those blocks are captured in parts around it, until the cache is disabled; another
+    model of the same classes is captured whole."""
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    tr, calls, denoise = _cached_flux(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+                                      seeds=range(10, 14))
+    ref = denoise()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "captured in parts"
+        out = denoise()
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    assert engine_eager_reasons() == {}
+    assert set(coverage.in_parts()) == {FLUX_BLOCK, FLUX_SINGLE_BLOCK}
+    in_parts = _graph_runs("FluxTransformerBlock")
+    assert in_parts > 0
+
+    other = models.build_transformer("flux", {**models.get_spec("flux").config("tiny"), "num_layers": 2,
+                                              "num_single_layers": 2}, dtype=torch.bfloat16, seed=7)
+    exactdit.patch(other)
+    with torch.no_grad():
+        other(**calls[0], return_dict=False)
+    whole = _graph_runs("FluxTransformerBlock") - in_parts
+    assert whole == 2  # the classes are not marked as running in parts: one graph per block
+
+    tr.disable_cache()
+    with torch.no_grad():
+        plain = tr(**calls[0], return_dict=False)[0]
+    exactdit.unpatch(tr)
+    exactdit.unpatch(other)
+    # hooks gone: tr's blocks run the whole graph too
+    assert _graph_runs("FluxTransformerBlock") - in_parts == whole + len(tr.transformer_blocks)
+    with torch.no_grad():
+        assert_bits_equal(plain, tr(**calls[0], return_dict=False)[0])

@@ -8,7 +8,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -56,8 +55,6 @@ CPU_MAX_PARAMS = 1e9
 
 def interpreting() -> bool:
     """Whether fused kernels run on CPU tensors in Triton's interpreter (what the gate decides by)."""
-    from exactdit import gate
-
     return bool(gate.INTERPRET)
 
 

@@ -6,6 +6,8 @@ import functools
 import json
 import os
 import platform
+import statistics
+import time
 
 import torch
 
@@ -28,6 +30,47 @@ def graph_median_ms(fn, rep_ms: float = 200) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
+    """Median ms of ``repeat`` transformer forwards after one (CUDA events; wall clock on the CPU),
+    and the last output."""
+    cuda = kw_device(kw) == "cuda"
+    with torch.no_grad():
+        out = tr(**kw, return_dict=False)[0]
+        _sync()
+        times = []
+        for _ in range(repeat):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = tr(**kw, return_dict=False)[0]
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                out = tr(**kw, return_dict=False)[0]
+                times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), out.clone()
+
+
+def kw_device(kw: dict) -> str:
+    return next(v.device.type for v in kw.values() if isinstance(v, torch.Tensor))
+
+
+def first_call_s(tr, kw) -> float:
+    _sync()
+    t = time.perf_counter()
+    with torch.no_grad():
+        tr(**kw, return_dict=False)
+    _sync()
+    return time.perf_counter() - t
 
 
 def add_model_args(ap) -> None:

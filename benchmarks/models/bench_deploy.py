@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,17 +77,6 @@ def _build(args):
     return tr, time.perf_counter() - t
 
 
-def _timed_call(tr, kw) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with torch.no_grad():
-        tr(**kw, return_dict=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 # --- children: one measurement each, in a fresh process ----------------------------------------------
 
 
@@ -97,40 +85,24 @@ def child_first_calls(args) -> dict:
     import torch
 
     import exactdit
+    from benchmarks.runner import first_call_s
 
     tr, build_s = _build(args)
     calls = [_inputs(args.model, tr, r, args) for r in args.resolutions]
     t = time.perf_counter()
     if args.path == "compile":
-        from benchmarks.bench_engine import compile_regions
+        from benchmarks.models.bench_engine import compile_regions
 
         compile_regions(tr)
     else:
         exactdit.patch(tr)
     patch_s = time.perf_counter() - t
-    first = [_timed_call(tr, kw) for kw in calls]
-    second = [_timed_call(tr, kw) for kw in calls]  # (a second call of each: the steady host path)
+    first = [first_call_s(tr, kw) for kw in calls]
+    second = [first_call_s(tr, kw) for kw in calls]  # (a second call of each: the steady host path)
     del tr, calls
     gc.collect()
     torch.cuda.empty_cache()
     return {"build_s": build_s, "patch_s": patch_s, "first_call_s": first, "second_call_s": second}
-
-
-def _median_ms(tr, kw, repeat: int):
-    import torch
-
-    with torch.no_grad():
-        out = tr(**kw, return_dict=False)[0]
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = tr(**kw, return_dict=False)[0]
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times), out
 
 
 def _peaks(fn) -> tuple[dict, object]:
@@ -154,6 +126,7 @@ def child_memory(args) -> dict:
     import torch
 
     import exactdit
+    from benchmarks.runner import first_call_s, forward_ms
     from exactdit.harness.metrics import outputs_equal
     from exactdit.patches import cuda_graphs
 
@@ -162,12 +135,12 @@ def child_memory(args) -> dict:
     weights_gib = torch.cuda.memory_allocated() / GIB
     result = {"weights_and_inputs_gib": weights_gib}
 
-    mem, (eager_ms, ref) = _peaks(lambda: _median_ms(tr, kw, args.repeat))
+    mem, (eager_ms, ref) = _peaks(lambda: forward_ms(tr, kw, args.repeat))
     result["eager"] = {"ms": eager_ms, **mem}
 
     exactdit.patch(tr)
-    _timed_call(tr, kw)  # compiles (its peak is the first call's, reported apart)
-    mem, (ms, out) = _peaks(lambda: _median_ms(tr, kw, args.repeat))
+    first_call_s(tr, kw)  # compiles (its peak is the first call's, reported apart)
+    mem, (ms, out) = _peaks(lambda: forward_ms(tr, kw, args.repeat))
     result["exactdit"] = {"ms": ms, "equal": outputs_equal(out, ref), **mem}
     del out
     exactdit.unpatch(tr)
@@ -175,7 +148,7 @@ def child_memory(args) -> dict:
     exactdit.reset_report()
     exactdit.patch(tr, cuda_graphs=True)
     # the first call runs normally, the second records (the whole forward or its blocks), then replays
-    mem, (ms, out) = _peaks(lambda: (_timed_call(tr, kw), _timed_call(tr, kw), _median_ms(tr, kw, args.repeat))[-1])
+    mem, (ms, out) = _peaks(lambda: (first_call_s(tr, kw), first_call_s(tr, kw), forward_ms(tr, kw, args.repeat))[-1])
     graphed = cuda_graphs.graphed(tr).summary()
     report = exactdit.report(show=False)
     entry = report.get(f"cuda_graphs.{type(tr).__name__}", {})

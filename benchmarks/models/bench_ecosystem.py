@@ -23,10 +23,8 @@ import argparse
 import gc
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 
 import torch
@@ -34,7 +32,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.runner import append_results, environment, outputs_equal, write_json  # noqa: E402
+from benchmarks.runner import (append_results, environment, first_call_s, forward_ms,  # noqa: E402
+                               outputs_equal, write_json)
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
@@ -211,46 +210,6 @@ CONFIGS = {
 
 
 # --- measuring -------------------------------------------------------------------------------------
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
-    """Median ms of ``repeat`` forwards after one (CUDA events; wall clock on the CPU), and the output."""
-    cuda = kw_device(kw) == "cuda"
-    with torch.no_grad():
-        out = tr(**kw, return_dict=False)[0]
-        _sync()
-        times = []
-        for _ in range(repeat):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = tr(**kw, return_dict=False)[0]
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                out = tr(**kw, return_dict=False)[0]
-                times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), out.clone()
-
-
-def kw_device(kw: dict) -> str:
-    return next(v.device.type for v in kw.values() if isinstance(v, torch.Tensor))
-
-
-def first_call_s(tr, kw) -> float:
-    _sync()
-    t = time.perf_counter()
-    with torch.no_grad():
-        tr(**kw, return_dict=False)
-    _sync()
-    return time.perf_counter() - t
-
 
 def fresh_state() -> None:
     from exactdit import state

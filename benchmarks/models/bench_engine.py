@@ -17,7 +17,6 @@ Prints a table and writes ``bench_engine_<model>.json`` (results rows, coverage)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -26,34 +25,10 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
-from benchmarks.runner import (add_model_args, append_results, environment, model_and_inputs, model_label,  # noqa: E402
-                               outputs_equal, write_json)
+from benchmarks.runner import (add_model_args, append_results, environment, first_call_s, forward_ms,  # noqa: E402
+                               model_and_inputs, model_label, outputs_equal, write_json)
 from exactdit.engine import coverage  # noqa: E402
 from exactdit.engine.runtime import gemm_choices  # noqa: E402
-
-
-def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
-    with torch.no_grad():
-        out = tr(**kw, return_dict=False)[0]
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = tr(**kw, return_dict=False)[0]
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times), out
-
-
-def first_call_s(tr, kw) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    with torch.no_grad():
-        tr(**kw, return_dict=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def compile_regions(tr) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +23,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-@triton.jit
-def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % group) % size_m
-    pid_n = (tile_id % group) // size_m
-    return pid_m, pid_n
+from exactdit.device.gemm import tile_of  # noqa: E402  (the engine's tile order)
 
 
 @triton.jit
@@ -45,7 +40,7 @@ def gemm_persistent(a_desc, b_desc, c_desc, bias_ptr, r_ptr, g_ptr, c_ptr, M, N,
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -79,7 +74,7 @@ def gemm_persistent(a_desc, b_desc, c_desc, bias_ptr, r_ptr, g_ptr, c_ptr, M, N,
 def gemm_tiles(a_desc, b_desc, c_desc, bias_ptr, M, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, GROUP_M: tl.constexpr):
     """One output tile per program, TMA loads; same arithmetic as gemm_persistent."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     om = pid_m * BM
     on = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)

@@ -1,12 +1,5 @@
-"""The mini-model registry and what its entries share (Grid, Production, inputs helpers). Mini models:
-
-The fully specified models (:mod:`exactdit.harness.models`: Flux.1, Qwen-Image, Z-Image, Wan,
-ERNIE-Image, ...) carry production configs, pipelines and sampling. A mini model is only what a
-compatibility check needs: the class, a tiny config (two or more repeated blocks, small widths)
-and a function giving one forward's keyword arguments. Everything model-specific is data here;
-the checks that run them are generic (``tests/harness/test_minis.py`` on the CPU, ``tests/harness/test_gpu_minis.py``).
-Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
-"""
+"""The mini-model registry (:data:`MINIS`, :func:`mini`, :func:`build`) and what its entries share
+(:class:`Grid`, :class:`Production`, input helpers); what a mini model is: :mod:`exactdit.harness.minis`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@
   loads with ``low_cpu_mem_usage=False``, which is all the advice says);
 - transformers' note that an image processor falls back to its PIL backend without torchvision
   (imported by the Flux and Chroma pipelines, never used by exactdit's runs);
-- diffusers' ``FluxPosEmbed`` FutureWarning, which diffusers' own Chroma transformer triggers.
+- diffusers' ``FluxPosEmbed`` FutureWarning, which diffusers' own Chroma transformer triggers;
+- where torchao is installed (``exactdit[quant]``, ``[test]``), which diffusers imports: torch's
+  warning that torchao registers enums it no longer needs to, and, with a CPU build of torch only,
+  torchao's note that its CUDA extensions did not load.
 
 Only these exact messages are dropped; every other warning of either library still shows. Nothing
 here imports diffusers or transformers (their loggers are named, not imported)."""
@@ -19,7 +22,16 @@ DROPPED = {
     "diffusers.models.modeling_utils": ("`accelerate` was not found in the environment",),
     "diffusers.pipelines.pipeline_utils": ("`accelerate` was not found in the environment",),
     "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
 }
+
+
+def _dropped() -> dict[str, tuple[str, ...]]:
+    import torch
+
+    if torch.version.cuda is None:  # torchao's CUDA extensions cannot load on a CPU build: nothing to act on
+        return {**DROPPED, "torchao": ("Failed to load",)}
+    return DROPPED
 
 
 class _Drop(logging.Filter):
@@ -34,7 +46,7 @@ class _Drop(logging.Filter):
 
 def quiet_third_party() -> None:
     """Install the filters (idempotent)."""
-    for name, needles in DROPPED.items():
+    for name, needles in _dropped().items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
             logger.addFilter(_Drop(needles))

@@ -81,18 +81,13 @@ def test_the_timed_choice_is_recorded_and_exact(monkeypatch):
 
 
 @pytest.mark.parametrize("name,size", [("flux", 512), ("qwen", 512), ("wan", 256)])
-def test_tiny_models_with_fused_gemms_equal_eager(name, size):
+def test_tiny_models_with_fused_gemms_equal_eager(name, size, monkeypatch):
     """Tiny configs at sizes whose token counts pass MIN_ROWS: their linears fuse with the
     gated residuals, GELUs and casts after them (forced, so the fused kernel itself is checked)."""
-    import os
-
-    os.environ[gemm.CHOICE_ENV] = "fused"
-    try:
-        tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
-        video = dict(num_frames=9) if models.get_spec(name).video else {}
-        kw = models.forward_inputs(name, tr, batch=2, seed=2, height=size, width=size, **video)
-        assert_patched_equals_eager(tr, kw, models.run_forward)
-        gemm_regions = [d for g in coverage.graphs() for d, _ in g.regions.values() if d.startswith("gemm[")]
-        assert gemm_regions, [line for g in coverage.graphs() for line in g.lines()]
-    finally:
-        del os.environ[gemm.CHOICE_ENV]
+    monkeypatch.setenv(gemm.CHOICE_ENV, "fused")
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
+    video = dict(num_frames=9) if models.get_spec(name).video else {}
+    kw = models.forward_inputs(name, tr, batch=2, seed=2, height=size, width=size, **video)
+    assert_patched_equals_eager(tr, kw, models.run_forward)
+    gemm_regions = [d for g in coverage.graphs() for d, _ in g.regions.values() if d.startswith("gemm[")]
+    assert gemm_regions, [line for g in coverage.graphs() for line in g.lines()]

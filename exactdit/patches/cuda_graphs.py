@@ -78,13 +78,16 @@ class _CudaGraphs:
         return _unsupported_arguments(leaves)
 
     def new_pool(self):
-        return torch.cuda.graph_pool_handle()
+        # owned, not a bare handle: a handle's pool dies with its last graph, and once a failed
+        # recording or dropped graphs leave it holding memory with no graph, recording into it again
+        # trips the allocator's assert (use_count > 0); a MemPool keeps it alive while the model lives
+        return torch.cuda.MemPool()
 
     def capture(self, pool, alloc, run, what: str):
         """``alloc()`` then ``run(alloc's result)`` recorded into a graph of ``pool``: (graph,
         alloc's result, run's result). ``what``: "forward" or "block"."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool.id):
             made = alloc()
             out = run(made)
         return graph, made, out

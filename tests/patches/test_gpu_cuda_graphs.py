@@ -210,3 +210,25 @@ def test_a_deleted_graphed_model_leaves_no_memory(case):
     assert alive() is None
     # (cuBLAS keeps a workspace per stream it ran on: the recording stream's stays)
     assert torch.cuda.memory_allocated() - before <= 0.1 * 2**30
+
+
+def test_pool_records_again_after_its_graphs_are_gone():
+    """A model's pool outlives its graphs: a recording that dropped its graph (as a failed whole
+    forward does) while a tensor it allocated lives on must not stop the next recording into the
+    same pool (with a bare ``graph_pool_handle`` the allocator asserts ``use_count > 0``)."""
+    kind = cuda_graphs.KIND
+    pool = kind.new_pool()
+    x = torch.randn(1024, device="cuda")
+    kept = []
+
+    def run(_):
+        kept.append(x * 2)  # allocated in the pool, alive after its graph is gone
+        return kept[-1] + 1
+
+    graph, _, _ = kind.capture(pool, lambda: None, run, "forward")
+    del graph
+    torch.cuda.synchronize()
+    graph, _, out = kind.capture(pool, lambda: None, run, "block")
+    x.copy_(torch.randn(1024, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, x * 2 + 1)

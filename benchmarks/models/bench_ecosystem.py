@@ -260,7 +260,7 @@ def build(args):
 
 
 def run_config(name: str, args) -> dict:
-    from benchmarks.bench_engine import compile_regions
+    from benchmarks.models.bench_engine import compile_regions
 
     desc, apply = CONFIGS[name]
     row = {"config": name, "description": desc}

@@ -150,10 +150,6 @@ class ReduceConfig:
     def warps_per_row(self) -> int:
         return self.block_height if self.warps_split_row else 1
 
-    @property
-    def global_reduce(self) -> bool:
-        return self.ctas_per_output > 1
-
     def short(self) -> str:
         return (
             f"vec={int(self.vectorize_input)} bw={self.block_width} bh={self.block_height} "

@@ -21,20 +21,9 @@ CONFIGS = {
                  rope_axes_dim=(4, 6, 6)),
     # diffusers' own model tests (tests/models/transformers/test_models_transformer_ernie_image.py):
     # one layer, one 16-wide head
-    "diffusers_test": dict(
-        hidden_size=16,
-        num_attention_heads=1,
-        num_layers=1,
-        ffn_hidden_size=16,
-        in_channels=16,
-        out_channels=16,
-        patch_size=1,
-        text_in_dim=16,
-        rope_theta=256,
-        rope_axes_dim=(8, 4, 4),
-        eps=1e-6,
-        qk_layernorm=True,
-    ),
+    "diffusers_test": dict(hidden_size=16, num_attention_heads=1, num_layers=1, ffn_hidden_size=16, in_channels=16,
+                           out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4),
+                           eps=1e-6, qk_layernorm=True),
     "small": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=1024, num_attention_heads=8, num_layers=4,
                   ffn_hidden_size=3072),
     "full": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=4096, num_attention_heads=32, num_layers=36,

@@ -7,7 +7,7 @@
 #   engine-tests     pytest -m gpu for the engine
 #   engine-ernie     ERNIE-Image 1024^2 and 512^2 through the engine: one forward each, equal to eager
 #   engine-chroma    diffusers' Chroma test configs
-#   minis-tests      pytest -m gpu tests/harness/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
+#   minis-tests      pytest -m gpu tests/minis/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
 #                    HunyuanVideo, LTX-Video, Sana, ...), bf16 and fp32, patched vs eager
 #   rules-tests      tests/device/test_numerics.py and tests/engine/test_gpu_rules.py: each pointwise rule against the eager CUDA kernel,
 #                    special values (+-0, +-inf, NaN, subnormals), bf16 / fp16 / fp32
@@ -73,7 +73,7 @@ for stage in "$@"; do
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     rules-tests)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
@@ -144,7 +144,7 @@ for stage in "$@"; do
     rows-adjacent)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -k rows_adjacent -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rows_adjacent.log" | tail -6
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/harness/test_gpu_minis.py \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py \
         -k "hunyuan or wan-vace or skyreels or sana or pixart" -rf 2>&1 | grep -v Warn | tee "$OUT/gpu_minis_rows_adjacent.log" | tail -6
       timeout 240 python3 benchmarks/models/bench_engine.py --mini hunyuan-video --repeat 3 --compile --breakdown 2>&1 | \
         grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"

@@ -82,13 +82,14 @@ def add_model_args(ap) -> None:
     ap.add_argument("--frames", type=int, default=None)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--mini", default=None,
-                    help="instead of --model: a mini model of exactdit.harness.minis with a production config, "
+                    help="instead of --model: a mini model of tests.minis with a production config, "
                          "run as its released model at its typical size (sd3, flux2, hunyuan-video, ...)")
 
 
 def model_and_inputs(args, dtype=torch.bfloat16, device="cuda"):
     """(transformer, kwargs of one forward) for :func:`add_model_args`'s arguments."""
-    from exactdit.harness import minis, models
+    from exactdit.harness import models
+    from tests import minis
 
     if args.mini:
         tr = minis.build(args.mini, dtype=dtype, device=device, production=True)
@@ -103,7 +104,7 @@ def model_and_inputs(args, dtype=torch.bfloat16, device="cuda"):
 def model_label(args) -> tuple[str, str]:
     """(model, shape) of :func:`add_model_args`'s arguments, as the results file names them."""
     if args.mini:
-        from exactdit.harness import minis
+        from tests import minis
 
         production = minis.production_of(args.mini)
         return f"{production.model} transformer forward", f"{production.pixels} B={args.batch}"

@@ -47,8 +47,8 @@ tests/harness/test_cli.py::test_generate_ab_end_to_end
 tests/harness/test_cli.py::test_generate_without_ab_is_reproducible
 tests/harness/test_cli.py::test_selfcheck_holds_patched_models_to_eager
 tests/harness/test_cli.py::test_tiny_pipeline_command_then_generate
-tests/harness/test_minis.py::test_captured_blocks_equal_cuda_order
-tests/harness/test_minis.py::test_patch_captures_every_block
+tests/minis/test_minis.py::test_captured_blocks_equal_cuda_order
+tests/minis/test_minis.py::test_patch_captures_every_block
 tests/harness/test_models.py::test_full_width_components_run_in_the_pipeline
 tests/harness/test_models.py::test_pipeline_samples_offline_and_deterministically
 tests/patches/test_context_parallel.py::test_equality_script_runs_under_torchrun

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--match", default="")
     args = ap.parse_args()
     from exactdit.engine.capture import capture_graphs
-    from exactdit.harness import minis
+    from tests import minis
     from exactdit.harness.models.core import build_random, thaw
 
     spec = minis.MINIS[args.mini]

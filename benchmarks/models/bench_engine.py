@@ -5,7 +5,7 @@
     python3 benchmarks/models/bench_engine.py --mini sd3 --compile    # a mini's released model (SD3.5 Large) at 1024x1024
 
 Builds the model from its embedded config with seeded random weights (``exactdit.harness.models``,
-or ``--mini``: a class of ``exactdit.harness.minis`` at its released model's config and typical size)
+or ``--mini``: a class of ``tests.minis`` at its released model's config and typical size)
 on the GPU, times eager (CUDA-event median of ``--repeat`` forwards after warm-up), then
 ``exactdit.patch`` (first call = capture + kernel compilation, wall clock), checks the output with
 ``torch.equal`` against eager and times it the same way. ``--cuda-graphs``: also

@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.models.bench_engine import first_call_s, forward_ms  # noqa: E402
 from benchmarks.runner import add_model_args, append_results, model_and_inputs, outputs_equal, write_json  # noqa: E402
-from exactdit.harness import context_parallel as cp  # noqa: E402
+from benchmarks.parallel import context_parallel as cp  # noqa: E402
 
 #: (model, mode) pairs diffusers cannot run, with the reason
 UNSUPPORTED = {("ernie", "ring"): "diffusers' ring attention passes one full-length mask to each key chunk"}

@@ -5,7 +5,7 @@
 
 Each (mode, order) case builds the model on every rank (same seeded weights), enables context
 parallelism (exactdit's plan where diffusers has none) and compares one patched forward with
-the unpatched one under the same config (``exactdit.harness.context_parallel.compare``), with
+the unpatched one under the same config (``benchmarks.parallel.context_parallel.compare``), with
 ``torch.equal`` on each rank. ``--backend gloo`` lets both ranks share one GPU when the two-GPU
 machine is not lent: gloo moves the CUDA tensors of the all-to-alls and all-gathers through the
 host, which copies bits, so every kernel runs as it does under NCCL on its own GPU (each rank
@@ -25,7 +25,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.parallel.bench_context_parallel import UNSUPPORTED  # noqa: E402
 from benchmarks.runner import add_model_args, write_json  # noqa: E402
-from exactdit.harness import context_parallel as cp  # noqa: E402
+from benchmarks.parallel import context_parallel as cp  # noqa: E402
 
 
 def main() -> None:

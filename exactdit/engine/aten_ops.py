@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import COMPLEX, FLOAT_DTYPES, FULL, SCALAR, Emitter, Val, dtype_of, f32
-from exactdit.engine.indexing import Index, Ix, linearize
+from exactdit.engine.indexing import Index
 from exactdit.engine.rules import (  # noqa: F401  (the kinds, Rule and rule_for are read from here too)
     CAT, POINTWISE, REDUCTION_OUTPUT, UNARY_TABLE, VIEW, Rule, register_rule, rule_for,
 )
@@ -470,8 +470,3 @@ def table_function(node: fx.Node) -> Callable[[torch.Tensor], torch.Tensor]:
     """The eager op of a table rule node, as a function of its tensor argument."""
     args, kwargs = node.args[1:], dict(node.kwargs)
     return lambda x: node.target(x, *args, **kwargs)
-
-
-def row_form(index: Index, shape) -> Ix:
-    """The row an index of a ``[..., D]`` value lies in, as a linear form."""
-    return linearize(index[:-1], shape[:-1])

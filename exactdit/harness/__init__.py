@@ -2,9 +2,8 @@
 
 Submodules (imported lazily so that ``exactdit --help`` stays fast):
 
-- :mod:`exactdit.harness.tiny`      embedded ERNIE-Image transformer configs and seeded random weights,
-                                    plus a tiny offline ERNIE-Image pipeline builder (for tests)
-- :mod:`exactdit.harness.sampling`  short flow-matching sampling loop driving the bare transformer
+- :mod:`exactdit.harness.models`    the model registry: diffusers DiTs from embedded configs, seeded weights
+- :mod:`exactdit.harness.tiny`      the tiny offline ERNIE-Image pipeline of ``exactdit tiny-pipeline``
 - :mod:`exactdit.harness.metrics`   md5 / max_abs / PSNR / SSIM
 - :mod:`exactdit.harness.ab`        A/B report and side-by-side PNGs
 - :mod:`exactdit.harness.perf`      perf JSON records and ``compare`` (Markdown table)

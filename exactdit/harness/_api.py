@@ -39,15 +39,6 @@ def version() -> str:
     return str(getattr(mod, "__version__", "unknown"))
 
 
-def safe_report() -> dict:
-    """``exactdit.report()`` as a plain JSON-able dict ({} if unavailable)."""
-    try:
-        rep = api().report(show=False)
-    except ExactditAPIError:
-        return {}
-    return normalize_report(rep)
-
-
 def normalize_report(rep) -> dict:
     out: dict = {}
     for op, entry in dict(rep or {}).items():

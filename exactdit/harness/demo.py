@@ -334,7 +334,7 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -349,7 +349,7 @@ def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None
         bar = tqdm(total=steps, desc=progress, leave=False, unit="step")
 
     def on_step(pipeline, i, t, kwargs):
-        _sync(device)
+        synchronize(device)
         marks.append(time.perf_counter())
         if bar is not None:
             bar.update(1)
@@ -357,10 +357,10 @@ def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None
 
     try:
         with torch.no_grad():
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             result = pipe(**call, callback_on_step_end=on_step)
-            _sync(device)
+            synchronize(device)
             total = time.perf_counter() - start
     finally:
         if bar is not None:

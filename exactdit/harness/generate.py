@@ -13,10 +13,9 @@ from typing import Callable
 import torch
 
 from . import _api, ab, metrics, perf
-from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device
+from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device, synchronize
 from .outputs import StagedOutput, check_writable
-from .sampling import synchronize
-from .tiny import dtype_from_name
+from .models import dtype_from_name
 
 PIPELINE_CLASSES = ("ErnieImagePipeline",)
 # component -> (config file, needs weights)

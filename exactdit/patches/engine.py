@@ -511,7 +511,3 @@ def unpatch_transformer(model: torch.nn.Module) -> dict:
             _remove_inner_calls(module)
             counts[cls] = counts.get(cls, 0) + 1
     return {"restored": counts}
-
-
-def is_patched(model: torch.nn.Module) -> bool:
-    return any(isinstance(getattr(m, "_compiled_call_impl", None), EngineCall) for _, m in targets(model))

@@ -63,7 +63,8 @@ def engine_launches():
     import torch.fx as fx
 
     from exactdit.engine.capture import capture_graphs
-    from exactdit.harness import minis, models
+    from exactdit.harness import models
+    from tests import minis
 
     graphs = []
     mini_names = sys.argv[sys.argv.index("--minis") + 1].split(",") if "--minis" in sys.argv else []
@@ -72,7 +73,7 @@ def engine_launches():
         video = dict(num_frames=5) if models.get_spec(name).video else {}
         kw = models.forward_inputs(name, tr, batch=2, height=32, width=32, **video)
         graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw)]
-    for name in mini_names:  # mini models in both dtypes (tests/harness/test_minis.py)
+    for name in mini_names:  # mini models in both dtypes (tests/minis/test_minis.py)
         for dtype in (torch.bfloat16, torch.float32):
             tr = minis.build(name, dtype=dtype)
             graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, minis.forward_inputs(name, tr))]

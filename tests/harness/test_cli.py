@@ -21,9 +21,9 @@ FIX = Path(__file__).parents[1] / "fixtures"
 
 @pytest.fixture(scope="module")
 def tiny_pipe_dir(tmp_path_factory):
-    from exactdit.harness.tiny import save_tiny_pipeline
+    from exactdit.harness.tiny import write_tiny_pipeline
 
-    return Path(save_tiny_pipeline(tmp_path_factory.mktemp("tiny_ernie") / "pipe", seed=0))
+    return Path(write_tiny_pipeline(tmp_path_factory.mktemp("tiny_ernie") / "pipe", seed=0))
 
 
 def invoke(*args):

@@ -1,7 +1,7 @@
 """exactdit under diffusers' context parallelism: two CPU processes over gloo.
 
 Each case compares, on both ranks, the patched transformer with the unpatched one under the same
-parallel config (exactdit.harness.context_parallel.compare). Ring attention needs an attention
+parallel config (benchmarks.parallel.context_parallel.compare). Ring attention needs an attention
 backend that returns the log-sum-exp (CUDA only in diffusers): its test stands one in on the CPU.
 Uneven shards run through gloo stand-ins (use_gloo_stand_ins).
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from exactdit.harness.minis import Grid
+from tests.minis import Grid
 from exactdit.parallel import CP_PLANS, context_parallel_plan
 
 WORLD = 2
@@ -63,7 +63,7 @@ def _compare(cases: list) -> list[dict]:
     from diffusers.models import attention_dispatch
 
     from exactdit import state
-    from exactdit.harness.context_parallel import compare, use_gloo_stand_ins
+    from benchmarks.parallel.context_parallel import compare, use_gloo_stand_ins
 
     use_gloo_stand_ins(torch.device("cpu"))
     attention_dispatch._cudnn_attention_forward_op = _attention_with_lse_on_cpu
@@ -183,7 +183,7 @@ def _gathers() -> list[bool]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from exactdit.harness.context_parallel import all_gather_uneven, route_functional_all_gather
+    from benchmarks.parallel.context_parallel import all_gather_uneven, route_functional_all_gather
 
     rank, dims, out = dist.get_rank(), (0, 1, 2), []
     even = {d: _shard(0, d) + rank for d in dims}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from . import components as C
 from .core import ComponentRequest, ForwardRequest, ModelSpec, Production, frozen, register
 
@@ -19,20 +21,9 @@ CONFIGS = {
                  rope_axes_dim=(4, 6, 6)),
     # diffusers' own model tests (tests/models/transformers/test_models_transformer_ernie_image.py):
     # one layer, one 16-wide head
-    "diffusers_test": dict(
-        hidden_size=16,
-        num_attention_heads=1,
-        num_layers=1,
-        ffn_hidden_size=16,
-        in_channels=16,
-        out_channels=16,
-        patch_size=1,
-        text_in_dim=16,
-        rope_theta=256,
-        rope_axes_dim=(8, 4, 4),
-        eps=1e-6,
-        qk_layernorm=True,
-    ),
+    "diffusers_test": dict(hidden_size=16, num_attention_heads=1, num_layers=1, ffn_hidden_size=16, in_channels=16,
+                           out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4),
+                           eps=1e-6, qk_layernorm=True),
     "small": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=1024, num_attention_heads=8, num_layers=4,
                   ffn_hidden_size=3072),
     "full": dict(_COMMON, **_PRODUCTION_WIDTHS, hidden_size=4096, num_attention_heads=32, num_layers=36,
@@ -64,20 +55,20 @@ def build_components(req: ComponentRequest) -> dict:
 
 def forward_inputs(req: ForwardRequest) -> dict:
     """[uncond.., cond..] rows in one call with CFG; latents [B, C, H/16, W/16]; text features of each
-    row padded with zeros to the longest, ``text_lens`` masking the padding; timestep in the model dtype."""
-    from ..sampling import forward_inputs as ernie_forward_inputs
-
-    kw = ernie_forward_inputs(
-        req.transformer,
-        latent_hw=(req.height // 16, req.width // 16),
-        text_lens=req.text_lens,
-        seed=req.seed,
-        sigma=req.sigma,
-        device=req.device,
+    row padded with zeros to the longest, ``text_lens`` masking the padding; timestep ``1000 * sigma``
+    in the model dtype. Drawn in float32 from a CPU generator (device-independent), then cast."""
+    cfg = req.transformer.config
+    gen = req.generator()
+    latents = torch.randn((req.batch, cfg.in_channels, req.height // 16, req.width // 16), generator=gen)
+    text = torch.zeros((req.batch, max(req.text_lens), cfg.text_in_dim), dtype=req.dtype)
+    for i, n in enumerate(req.text_lens):
+        text[i, :n] = torch.randn((n, cfg.text_in_dim), generator=gen).to(req.dtype)
+    return dict(
+        hidden_states=latents.to(device=req.device, dtype=req.dtype),
+        timestep=torch.full((req.batch,), 1000.0 * req.sigma, device=req.device, dtype=req.dtype),
+        text_bth=text.to(req.device),
+        text_lens=torch.tensor(req.text_lens, dtype=torch.long, device=req.device),
     )
-    for k in ("hidden_states", "timestep", "text_bth"):
-        kw[k] = kw[k].to(req.dtype)
-    return kw
 
 
 ERNIE = register(ModelSpec(

@@ -22,17 +22,9 @@ FLUX_CONFIGS = {
     "tiny": dict(_COMMON, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                  joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_flux.py)
-    "diffusers_test": dict(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-    ),
+    "diffusers_test": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                           axes_dims_rope=(4, 4, 8)),
     # 8 heads (hidden 1024), 2 double + 4 single blocks
     "small": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=2, num_single_layers=4, num_attention_heads=8),
     # FLUX.1-dev: 19 double + 38 single blocks, 24 heads

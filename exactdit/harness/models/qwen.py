@@ -21,17 +21,9 @@ CONFIGS = {
     "tiny": dict(_COMMON, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                  axes_dims_rope=(4, 6, 6)),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_qwenimage.py)
-    "diffusers_test": dict(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=16,
-        guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    ),
+    "diffusers_test": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                           num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False,
+                           axes_dims_rope=(8, 4, 4)),
     # 8 heads (hidden 1024), 4 blocks
     "small": dict(_COMMON, **_PRODUCTION_WIDTHS, num_layers=4, num_attention_heads=8),
     # Qwen-Image (20B): 60 blocks, 24 heads

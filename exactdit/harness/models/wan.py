@@ -19,20 +19,9 @@ _COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, freq_dim=2
 CONFIGS_14B = {
     "tiny": dict(_COMMON, num_attention_heads=2, attention_head_dim=16, text_dim=32, ffn_dim=64, num_layers=2),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_wan.py)
-    "diffusers_test": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    ),
+    "diffusers_test": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                           out_channels=4, text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                           qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
     # production head_dim 128 / 4096-d text, 8 heads (dim 1024), 4 blocks
     "small": dict(_COMMON, num_attention_heads=8, attention_head_dim=128, text_dim=4096, ffn_dim=3072, num_layers=4),
     # Wan2.1-T2V-14B: dim 5120 (40 heads of 128), FFN 13824, 40 blocks, UMT5-XXL text 4096-d

@@ -21,22 +21,9 @@ CONFIGS = {
     "tiny": dict(_COMMON, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
                  axes_dims=[4, 6, 6]),
     # diffusers' model tests (tests/models/transformers/test_models_transformer_z_image.py)
-    "diffusers_test": dict(
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=16,
-        dim=16,
-        n_layers=1,
-        n_refiner_layers=1,
-        n_heads=1,
-        n_kv_heads=2,
-        qk_norm=True,
-        cap_feat_dim=16,
-        rope_theta=256.0,
-        t_scale=1000.0,
-        axes_dims=[8, 4, 4],
-        axes_lens=[256, 32, 32],
-    ),
+    "diffusers_test": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=16, n_layers=1,
+                           n_refiner_layers=1, n_heads=1, n_kv_heads=2, qk_norm=True, cap_feat_dim=16,
+                           rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32]),
     # 8 heads (dim 1024), 4 + 1 refiner layers
     "small": dict(_COMMON, **_PRODUCTION_WIDTHS, dim=1024, n_layers=4, n_refiner_layers=1, n_heads=8, n_kv_heads=8),
     # Z-Image-Turbo (6B): dim 3840, 30 heads, 30 layers + 2 refiner layers

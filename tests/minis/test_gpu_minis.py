@@ -1,4 +1,4 @@
-"""Mini models on the GPU (:mod:`exactdit.harness.minis`: SD3, Flux.2, HunyuanVideo, LTX, Sana, ...):
+"""Mini models on the GPU (:mod:`tests.minis`: SD3, Flux.2, HunyuanVideo, LTX, Sana, ...):
 one forward patched against unpatched diffusers, ``torch.equal``, every region verified on its first
 signature and none disabled, every block captured (in parts where the mini names a known limit,
 whose blocks fall back to diffusers' code once inputs that route differently keep capturing anew)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactdit.harness import minis
+from tests import minis
 from exactdit.harness.models import run_forward
 from exactdit.patches.engine import RECAPTURES_ALLOWED
 from tests.engine_helpers import assert_patched_equals_eager, assert_recaptured_blocks_fall_back, engine_eager_reasons

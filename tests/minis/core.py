@@ -1,5 +1,5 @@
 """The mini-model registry (:data:`MINIS`, :func:`mini`, :func:`build`) and what its entries share
-(:class:`Grid`, :class:`Production`, input helpers); what a mini model is: :mod:`exactdit.harness.minis`."""
+(:class:`Grid`, :class:`Production`, input helpers); what a mini model is: :mod:`tests.minis`."""
 
 from __future__ import annotations
 

@@ -129,9 +129,10 @@ def prepare(model: str, config: str = "tiny", *, mode: str = "ulysses", device: 
     """(transformer, kwargs of one forward, its ContextParallelConfig): ``model`` built with the
     same seeded weights on every rank, its attention backend set where given (ring attention needs
     one that returns the log-sum-exp, e.g. "_native_cudnn"). ``model`` names a model of
-    :mod:`exactdit.harness.models` or a mini model (:mod:`exactdit.harness.minis`, its tiny
-    config and inputs at ``geometry["grid"]`` where given, a :class:`~exactdit.harness.minis.Grid`)."""
-    from exactdit.harness import minis, models
+    :mod:`exactdit.harness.models` or a mini model (:mod:`tests.minis`, its tiny
+    config and inputs at ``geometry["grid"]`` where given, a :class:`~tests.minis.Grid`)."""
+    from exactdit.harness import models
+    from tests import minis
 
     device = torch.device(device)
     if model in minis.MINIS:

@@ -1,4 +1,4 @@
-"""Mini models (:mod:`exactdit.harness.minis`): more diffusers transformer classes at tiny configs.
+"""Mini models (:mod:`tests.minis`): more diffusers transformer classes at tiny configs.
 On the CPU: which blocks the engine finds, every block class captured, each captured graph
 rewritten and held to the graph run with CUDA's reduction orders (kernels in the interpreter),
 and ``exactdit.patch`` capturing every block of the model without running any of diffusers' code."""
@@ -10,7 +10,7 @@ import torch
 
 import exactdit
 from exactdit.engine.capture import repeated_blocks
-from exactdit.harness import minis
+from tests import minis
 from exactdit.harness.metrics import outputs_equal
 from exactdit.harness.models import run_forward
 from exactdit.patches.engine import RECAPTURES_ALLOWED
@@ -19,7 +19,7 @@ from tests.engine_helpers import assert_recaptured_blocks_fall_back, capture_gra
 NAMES = list(minis.MINIS)
 #: held to CUDA's orders in the interpreter, one per kind of graph the others repeat (the
 #: interpreter runs each row-per-program kernel program by program: 1-3 minutes per model);
-#: tests/harness/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
+#: tests/minis/test_gpu_minis.py holds every mini to CUDA eager itself. sd3: LayerNorm modulation and
 #: RMSNorm of permuted q/k; flux2: SwiGLU, per-head norms with 4-axis RoPE; hunyuan-video: token
 #: refiner, sliced cats; ltx-video: RMSNorm across heads; lumina2: grouped-query, sandwich norms;
 #: cogvideox: values handed to ATen; pixart-sigma: BasicTransformerBlock; mochi: data-dependent

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from exactdit.harness.minis.core import TEXT_LEN as TEXT, Grid, Production, mini, randn, text_mask, timesteps
+from tests.minis.core import TEXT_LEN as TEXT, Grid, Production, mini, randn, text_mask, timesteps
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 8
 TINY = Grid(FRAMES, HEIGHT, WIDTH, TEXT)

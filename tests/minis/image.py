@@ -7,7 +7,7 @@ last two tokens padding). Text length 7 (odd on purpose).
 
 import torch
 
-from exactdit.harness.minis.core import TEXT_LEN as TXT, Grid, Production, mini, randn, text_mask, timesteps
+from tests.minis.core import TEXT_LEN as TXT, Grid, Production, mini, randn, text_mask, timesteps
 
 
 def _diagonal_text_ids() -> torch.Tensor:

@@ -4,12 +4,12 @@ The fully specified models (:mod:`exactdit.harness.models`: Flux.1, Qwen-Image, 
 ERNIE-Image, ...) carry production configs, pipelines and sampling. A mini model is only what a
 compatibility check needs: the class, a tiny config (two or more repeated blocks, small widths)
 and a function giving one forward's keyword arguments. Everything model-specific is data here;
-the checks that run them are generic (``tests/harness/test_minis.py`` on the CPU, ``tests/harness/test_gpu_minis.py``).
+the checks that run them are generic (``tests/minis/test_minis.py`` on the CPU, ``tests/minis/test_gpu_minis.py``).
 Entries: :mod:`.image` (image transformers), :mod:`.video` (video transformers).
 """
 
-from exactdit.harness.minis.core import (  # noqa: F401
+from tests.minis.core import (  # noqa: F401
     Grid, InputsFn, MINIS, Mini, Production, TEXT_LEN, build, compute_dtype, forward_inputs, mini,
     production_of, randn, text_mask, timesteps,
 )
-from exactdit.harness.minis import image as _image, video as _video  # noqa: E402,F401  (entries register themselves)
+from tests.minis import image as _image, video as _video  # noqa: E402,F401  (entries register themselves)

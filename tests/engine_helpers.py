@@ -10,8 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from tests.aten.norms_model import fma_f32, layer_norm_order_model, rms_norm_order_model
-from tests.aten.reduce_model import mean_lastdim_reference_order
+from exactdit.aten.norms import fma_f32, layer_norm_order_model, rms_norm_order_model
+from exactdit.aten.reduce import mean_lastdim_reference_order
 from exactdit.engine.backend import rewrite
 from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
 from tests.helpers import assert_bits_equal, interpreter_rsqrt

@@ -1,4 +1,4 @@
-"""GPU probe: do the order models of tests/aten/norms_model.py reproduce eager CUDA bits?
+"""GPU probe: does exactdit.aten.norms reproduce eager CUDA bits?
 
 Run on the H200 from the repository root (needs torch with CUDA and numpy
 only; triton is used for one optional check if importable):
@@ -33,8 +33,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.aten.gelu_model import gelu_candidates  # noqa: E402
-from tests.aten.norms_model import (  # noqa: E402
+from exactdit.aten.gelu import gelu_candidates  # noqa: E402
+from exactdit.aten.norms import (  # noqa: E402
     layer_norm_order_model,
     rms_norm_composite_model,
     rms_norm_order_model,

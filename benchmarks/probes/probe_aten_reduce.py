@@ -1,4 +1,4 @@
-"""GPU probe: does the model of exactdit.aten.reduce / tests/aten/reduce_model.py reproduce eager ``x.mean(-1)`` bit for bit?
+"""GPU probe: does exactdit.aten.reduce reproduce eager ``x.mean(-1)`` bit for bit?
 
 Run on the GPU machine from the repository root:
 
@@ -33,8 +33,11 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from exactdit.aten.reduce import mean_factor, mean_lastdim_launches  # noqa: E402
-from tests.aten.reduce_model import mean_lastdim_reference_order  # noqa: E402
+from exactdit.aten.reduce import (  # noqa: E402
+    mean_factor,
+    mean_lastdim_launches,
+    mean_lastdim_reference_order,
+)
 
 MS = [1, 2, 3, 4, 7, 8, 16, 17, 31, 32, 64, 127, 128, 255, 256, 511, 512, 1024, 2048,
       4096, 4224, 8448, 16384]

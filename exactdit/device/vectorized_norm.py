@@ -5,7 +5,7 @@ One program handles BLOCK_R rows (one row = one head of one token, ``head_dim`` 
 axis 1 picks the tensor.
 
 The norm reproduces ATen's ``vectorized_layer_norm_kernel`` with the rms flag (see
-``tests/aten/norms_model.py``, ``rms_norm_order_model``): a 128-thread block per row, thread t
+:mod:`exactdit.aten.norms`, ``rms_norm_order_model``): a 128-thread block per row, thread t
 owns the 4-element vectors t, t + 128, ...; ``acc = fma(v, v, acc)`` per element in read order;
 a warp shuffle-down tree 16, 8, 4, 2, 1; warps combined ``(w0 + w2) + (w1 + w3)``;
 ``var = s / N`` (div.rn); ``rstd = rsqrt.approx(var + eps)``; ``y = w * (rstd * x)`` rounded

@@ -2,7 +2,7 @@
 ATen's ``vectorized_layer_norm_kernel`` (torch 2.11, CUDA).
 
 One program per row, 4 warps. The program reproduces ATen's 128-thread block exactly as
-``tests/aten/norms_model.py`` models it (``layer_norm_order_model``, vectorised path):
+:mod:`exactdit.aten.norms` models it (``layer_norm_order_model``, vectorised path):
 
 * "thread" ``t`` (0..127, warp ``t // 32``, lane ``t % 32``) owns the 4-element vectors
   ``t, t + 128, t + 256, ...`` of the row and runs a Welford update over their elements in

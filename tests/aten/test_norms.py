@@ -1,4 +1,4 @@
-"""CPU tests of the order models of ATen CUDA kernels (tests/aten/norms_model.py, gelu_model.py).
+"""CPU tests of exactdit.aten.norms (order models of ATen CUDA kernels).
 
 On CPU the models cannot be bit-equal to torch's CPU kernels (different
 reduction trees, CPU rsqrt/erf), so these tests check closeness to float64
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.aten.gelu_model import GELU_K_ALPHA, gelu_candidates, gelu_order_model
-from tests.aten.norms_model import (
+from exactdit.aten.gelu import GELU_K_ALPHA, gelu_candidates, gelu_order_model
+from exactdit.aten.norms import (
     fma_f32,
     layer_norm_order_model,
     rms_norm_composite_model,

@@ -1,4 +1,4 @@
-"""CPU tests for exactdit.aten.reduce (config rules) and its fp32 order model (tests/aten/reduce_model.py)."""
+"""CPU tests for exactdit.aten.reduce (config rules and the fp32 order model)."""
 
 import numpy as np
 import pytest
@@ -9,9 +9,10 @@ from exactdit.aten.reduce import (
     mean_factor,
     mean_lastdim_config,
     mean_lastdim_launches,
+    mean_lastdim_reference_order,
+    row_shift,
     split_rows_for_32bit_indexing,
 )
-from tests.aten.reduce_model import mean_lastdim_reference_order, row_shift
 
 F = np.float32
 

@@ -1,4 +1,4 @@
-"""The reduction templates against CUDA's reduction orders (the order models of tests/aten):
+"""The reduction templates against CUDA's reduction orders (the order models of exactdit.aten):
 LayerNorm, F.rms_norm, the decomposed RMSNorm, RoPE partners moved between lanes. Kernels run in
 Triton's interpreter."""
 

@@ -2,8 +2,8 @@
 they take.
 
 The domain's rows are the rows of a reduction over its last dim. Pass 1 walks each row in the
-order ATen's CUDA kernel adds in (the order models of ``tests/aten/norms_model.py`` /
-``tests/aten/reduce_model.py``, reproduced by the device library :mod:`exactdit.device`) and
+order ATen's CUDA kernel adds in (the order models of :mod:`exactdit.aten.norms` /
+:mod:`exactdit.aten.reduce`, reproduced by the device library :mod:`exactdit.device`) and
 computes the row statistics; the region's values that feed the reduction (its prologue) are
 emitted inside that walk, so a gated residual is added on the fly. Pass 2 emits every output (the
 epilogue: normalisation, modulation, RoPE, ...) from the statistics. A prologue value the region

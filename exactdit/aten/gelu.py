@@ -8,7 +8,7 @@ from typing import Callable, Dict
 
 import torch
 
-from tests.aten.norms_model import F32, F64, fma_f32, fp32_full
+from exactdit.aten.norms import F32, F64, fma_f32, fp32_full
 
 __all__ = ["gelu_order_model", "gelu_candidates", "GELU_K_ALPHA"]
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from exactdit import first_calls
 from exactdit.device.numerics import INTERPRET
 from exactdit.state import STATE
 
@@ -287,6 +288,7 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         _count_eager(st, CPU_NUMERICS)
         return op.reference(*args)
 
+    timed = first_calls.start("verify", op.name)  # (the launch plans and compiles inside it are their own)
     _local.verifying = True
     fast = None
     try:
@@ -301,6 +303,7 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         _local.verifying = False
     ref = op.reference(*args)
     problem = failure or first_difference(out, ref)
+    first_calls.stop(timed)
     if problem is None:
         with _lock:
             st.verified.add(sig)

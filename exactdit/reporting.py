@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from exactdit import gate
+from exactdit import first_calls, gate
 from exactdit.engine import coverage
 
 REGION_SUFFIX = re.compile(r"\.r\d+$")
@@ -34,11 +34,15 @@ def grouped(report: dict) -> dict:
 
 class Report(dict):
     """``{op name: {"fused", "eager", "eager_reasons", "verified", "disabled"}}``; prints as a
-    table (engine regions summed per captured graph), then what the engine did to each graph."""
+    table (engine regions summed per captured graph), then what the engine did to each graph and
+    where its first calls spent their time. ``first_calls``: block class -> phase -> (seconds,
+    count) (:mod:`exactdit.first_calls`)."""
+
+    first_calls: dict = {}
 
     def __str__(self) -> str:
         if not self:
-            return "exactdit: no op has been called yet"
+            return "\n".join(["exactdit: no op has been called yet"] + first_calls.lines(self.first_calls))
         rows = [("op / captured graph", "fused", "eager", "verified", "disabled", "eager because")]
         for name, e in sorted(grouped(self).items()):
             why = ", ".join(f"{r} x{n}" for r, n in e["eager_reasons"].items()) or "-"
@@ -58,6 +62,7 @@ class Report(dict):
             lines.append(f"captured in parts (graph breaks): {label}: {why}")
         for graph in coverage.graphs():
             lines.extend(graph.lines())
+        lines.extend(first_calls.lines(self.first_calls))
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -67,6 +72,7 @@ def report(show: bool = True) -> Report:
     """Per op: fused and eager call counts, why calls ran eager, verified and disabled
     signatures. Prints the table when ``show``."""
     result = Report(gate.snapshot())
+    result.first_calls = first_calls.snapshot()
     if show:
         print(result)
     return result

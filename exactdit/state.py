@@ -7,7 +7,9 @@
 * ``block_classes``: per patched block class, its capture state (backend, failures, recaptures;
   :mod:`exactdit.patches.engine`);
 * ``details``: fields a patch shows with its report entry (what a model's CUDA graphs cover,
-  :func:`exactdit.gate.describe`).
+  :func:`exactdit.gate.describe`);
+* ``first_calls``: per block class and phase, the seconds the engine's first calls spent
+  (capture, partition, codegen, Triton compile, verification, ...: :mod:`exactdit.first_calls`).
 
 The modules that own each part keep a reference to its container and mutate it in place, so
 ``reset`` (tests, or a long-lived process that wants a clean slate) clears everything at once. Not
@@ -25,15 +27,17 @@ class ProcessState:
         self.in_parts: dict = {}
         self.block_classes: dict = {}
         self.details: dict = {}
+        self.first_calls: dict = {}
 
     def reset(self) -> None:
         """Forget everything: verified and disabled signatures, counters, coverage reports, the
-        block classes' capture state."""
+        block classes' capture state, the first calls' time account."""
         self.signatures.clear()
         self.graphs.clear()
         self.in_parts.clear()
         self.block_classes.clear()
         self.details.clear()
+        self.first_calls.clear()
 
 
 STATE = ProcessState()

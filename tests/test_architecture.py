@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "exactdit"
 
 #: lowest first; a module may import its own layer and the layers below it, never one above
 LAYERS = (
-    ("aten", ("exactdit.aten", "exactdit.state")),
+    ("aten", ("exactdit.aten", "exactdit.state", "exactdit.first_calls")),
     ("device", ("exactdit.device",)),
     ("gate", ("exactdit.gate",)),
     ("engine", ("exactdit.engine",)),

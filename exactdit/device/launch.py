@@ -139,6 +139,16 @@ def _forwards_to_c_launch(cls) -> bool:
     return _C_LAUNCH in source and source.count("self.launch(") == 1
 
 
+def cached_kernels(fn, device: torch.device) -> int | None:
+    """How many compiled specialisations of ``fn`` Triton keeps for ``device`` (its in-memory
+    cache: :func:`compile_for` compiled when the number grew), or None where this Triton keeps
+    them otherwise."""
+    try:
+        return len(fn.device_caches[device.index][0])
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
 def bound_arguments(fn, args: tuple, kwargs: dict) -> list:
     """The values ``JITFunction.run`` binds to each parameter, in declaration order:
     positionals, then keywords, then the parameters' defaults."""

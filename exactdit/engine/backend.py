@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from exactdit import first_calls
 from exactdit.engine import coverage
 from exactdit.engine.partition import find_regions
 from exactdit.engine.runtime import RegionOp, region_call_target
@@ -47,11 +48,12 @@ def rewrite(gm: fx.GraphModule, label: str) -> coverage.GraphReport:
     """Replace the regions of ``gm`` (an ATen graph) by fused calls. The new graph is built
     beside the old one and swapped in only when complete."""
     start = time.perf_counter()
-    prepare(gm.graph)
-    partition = find_regions(gm, prefix=label)
-    report = coverage.GraphReport.of(label, gm, partition)
-    gm.graph = _rewritten(gm.graph, partition.regions)
-    gm.recompile()
+    with first_calls.phase("partition", label):
+        prepare(gm.graph)
+        partition = find_regions(gm, prefix=label)
+        report = coverage.GraphReport.of(label, gm, partition)
+        gm.graph = _rewritten(gm.graph, partition.regions)
+        gm.recompile()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -255,6 +257,8 @@ def compile_graph(label: str):
 
     def compiler(gm: fx.GraphModule, example_inputs):
         name = f"{label}#{next(_graph_ids)}"
+        first_calls.claim_capture(label)  # the Dynamo compile under way is this block class's
+        first_calls.install_capture_timer()  # (again, for the next, after a torch._dynamo.reset())
         try:
             report = rewrite(gm, name)
         except Exception as e:  # noqa: BLE001 - a graph the engine cannot rewrite still runs as captured
@@ -273,6 +277,7 @@ def _unchanged(gm: fx.GraphModule, example_inputs):
 def make_backend(label: str = "graph"):
     """A torch.compile backend that rewrites inference graphs (see the module docstring);
     ``label`` names its graphs in :func:`exactdit.report`."""
+    first_calls.install_capture_timer()
     return aot_autograd(fw_compiler=_unchanged, bw_compiler=_unchanged, inference_compiler=compile_graph(label))
 
 

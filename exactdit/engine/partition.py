@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from exactdit import first_calls
 from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
@@ -308,7 +309,8 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     region.tables = [n for n in g.nodes if rule_for(n) is not None and rule_for(n).kind == "table"]
     region.launches = _launches(kind, members, domain, g.split_cat)
     try:
-        kernels = [generate(region, launch) for launch in region.launches]
+        with first_calls.phase("codegen", name, count=len(region.launches)):
+            kernels = [generate(region, launch) for launch in region.launches]
     except Unfusable as e:
         culprit = e.args[1] if len(e.args) > 1 and e.args[1] in members else None
         if culprit is None:

@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch.fx as fx
 
-from exactdit import gate
+from exactdit import first_calls, gate
 from exactdit.device import launch
 from exactdit.engine import kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
@@ -121,6 +121,10 @@ class RegionOp:
         return tuple(outs)
 
     def _specialize(self, *inputs):
+        with first_calls.phase("plans", self.region.name):
+            return self._specialized(*inputs)
+
+    def _specialized(self, *inputs):
         fast = self._launch_plan(*inputs)
         if self.region.kind != "gemm" or gate.cannot_sync():
             return fast
@@ -189,7 +193,10 @@ class RegionOp:
         strides = ([t.stride() for t in views], [stride for _, stride, _ in layout])
         for plan in self._launches(device):
             args = tuple(tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in plan.params)
-            compiled = launch.compile_for(plan.fn, plan.grid, args, plan.kwargs, device)
+            with first_calls.phase("compile", self.region.name) as timed:
+                cached = launch.cached_kernels(plan.fn, device)
+                compiled = launch.compile_for(plan.fn, plan.grid, args, plan.kwargs, device)
+                timed.count = int(cached is None or launch.cached_kernels(plan.fn, device) != cached)
             exprs = [name_of(compiled.call)] + [name_of(v) for v in compiled.head] + ["stream"]
             exprs += [name_of(v) for v in compiled.tail + tuple(compiled.arguments)]
             lines.append(f"    {exprs[0]}({', '.join(exprs[1:])})")
@@ -211,7 +218,7 @@ class RegionOp:
         key = tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
         layout = self._out_layouts.get(key)
         if layout is None:
-            with torch.no_grad():
+            with torch.no_grad(), first_calls.phase("layout", self.region.name):
                 outs = self._reference(*inputs)
             layout = [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]
             self._out_layouts[key] = layout
@@ -219,7 +226,8 @@ class RegionOp:
 
     def kernels(self) -> list[tuple[object, GeneratedKernel]]:
         if self._kernels is None:
-            self._kernels = [(kernel_source.load(k.source), k) for k in self.region.kernels]
+            with first_calls.phase("codegen", self.region.name, count=0):  # (counted when generated)
+                self._kernels = [(kernel_source.load(k.source), k) for k in self.region.kernels]
         return self._kernels
 
     def _launches(self, device) -> list["_Launch"]:

@@ -51,7 +51,7 @@ import warnings
 
 import torch
 
-from exactdit import gate
+from exactdit import first_calls, gate
 from exactdit.engine import coverage
 from exactdit.engine.capture import repeated_blocks
 from exactdit.patches import diffusers_internals
@@ -95,9 +95,14 @@ class _ClassState:
         def backend(gm, example_inputs):
             self.graphs += 1
             compiled = engine_backend(gm, example_inputs)
+            first = [True]
 
             def run(*args):
                 self.runs += 1
+                if first:  # the graph's first run: what its phases leave is the first call's "other"
+                    first.clear()
+                    with first_calls.phase("other", self.label):
+                        return compiled(*args)
                 return compiled(*args)
 
             run._boxed_call = getattr(compiled, "_boxed_call", False)

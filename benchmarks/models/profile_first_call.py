@@ -71,7 +71,7 @@ def mini_grid(name: str, height: int | None, width: int | None, frames: int | No
     for 9 latent frames of 60x106: 8x spatial, 4x temporal); text tokens stay the production's."""
     import dataclasses
 
-    from exactdit.harness import minis
+    from tests import minis
 
     prod = minis.production_of(name)
     if height is None:
@@ -89,7 +89,8 @@ def mini_grid(name: str, height: int | None, width: int | None, frames: int | No
 def build(args, device: str):
     import torch
 
-    from exactdit.harness import minis, models
+    from exactdit.harness import models
+    from tests import minis
 
     if args.mini:
         return minis.build(args.mini, dtype=torch.bfloat16, device=device, production=args.config != "tiny")
@@ -97,7 +98,8 @@ def build(args, device: str):
 
 
 def inputs_at(args, tr, resolution: str, device: str) -> dict:
-    from exactdit.harness import minis, models
+    from exactdit.harness import models
+    from tests import minis
 
     h, w, f = parse_resolution(resolution)
     if args.mini:

@@ -13,7 +13,8 @@ import torch.fx as fx
 from exactdit.aten.norms import fma_f32, layer_norm_order_model, rms_norm_order_model
 from exactdit.aten.reduce import mean_lastdim_reference_order
 from exactdit.engine.backend import rewrite
-from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
+from exactdit.engine import capture
+from exactdit.patches.engine import repeated_blocks
 from tests.helpers import assert_bits_equal, interpreter_rsqrt
 
 aten = torch.ops.aten
@@ -82,6 +83,12 @@ class CudaOrderInterpreter(fx.Interpreter):
         if fn is not None:
             return fn(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
+    """The graphs of ``model``'s repeated blocks (those ``exactdit.patch`` patches) and their inputs
+    (:func:`exactdit.engine.capture.capture_graphs`)."""
+    return capture.capture_graphs(model, kwargs, repeated_blocks(model))
 
 
 def engine_eager_reasons() -> dict:

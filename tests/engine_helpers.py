@@ -64,7 +64,26 @@ def _addcmul(a, b, c, value=1):
     return out.to(dtype)
 
 
+def _clamp(x, min=None, max=None):
+    """CUDA's clamp-family kernels as torch 2.11 has them (``launch_clamp_scalar``): NaN stays,
+    else ``fminf(fmaxf(v, min), max)`` in opmath, where fmaxf / fminf order -0 below +0
+    (``relu(-0.0)`` is +0.0 there; the CPU kernels select and keep -0.0)."""
+    v = x.float()
+    y = v
+    if min is not None:
+        k = torch.tensor(float(min), dtype=torch.float32)
+        y = torch.where((y < k) | ((y == k) & torch.signbit(y) & ~torch.signbit(k)), k, y)
+    if max is not None:
+        k = torch.tensor(float(max), dtype=torch.float32)
+        y = torch.where((y > k) | ((y == k) & ~torch.signbit(y) & torch.signbit(k)), k, y)
+    return torch.where(torch.isnan(v), v, y).to(x.dtype)
+
+
 CUDA_ORDER = {
+    aten.relu.default: lambda x: _clamp(x, 0.0),
+    aten.clamp_min.default: lambda x, min: _clamp(x, min=min),
+    aten.clamp_max.default: lambda x, max: _clamp(x, max=max),
+    aten.clamp.default: _clamp,
     aten.addcmul.default: _addcmul,
     aten.mul.Tensor: _mul,
     aten.div.Tensor: _div,

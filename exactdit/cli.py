@@ -201,6 +201,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
     import torch
 
     from exactdit.engine import coverage, timing
+    from exactdit.patches.engine import repeated_blocks
     from exactdit.harness import models
     from exactdit.harness.demo import (HarnessError, check_activation_memory, check_memory, latent_tokens,
                                        out_of_memory, resolve_device, widest_linear)
@@ -238,7 +239,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
                    f"bf16, {size}, batch {batch}, {dev.type} ({device_info(dev).get('name')})")
         tr = models.build_transformer(model, config, dtype=dtype, device=dev)
         kw = models.forward_inputs(model, tr, height=height, width=width, num_frames=frames, batch=batch)
-        measured = timing.measure(tr, kw)
+        measured = timing.measure(tr, kw, repeated_blocks(tr))
     except (HarnessError, ValueError) as exc:
         raise _fail(exc) from None
     except RuntimeError as exc:

@@ -6,10 +6,10 @@ the bits, and the kernel launcher. :func:`dispatch` routes each call:
 
 1. malformed call -> ``ValueError`` (the same on every path);
 2. fast paths switched off, or inputs the kernel does not support -> eager, counted with why;
-3. first call of a signature on this device -> run both, compare bit for bit (and layout); on a
-   mismatch (or when the kernel raises, e.g. cannot compile) disable that signature for the
-   process, warn with the first differing element (or the error) and return the eager result;
-   otherwise remember it as verified;
+3. first call of a signature on this device -> run both (the reference first), compare bit for
+   bit (and layout); on a mismatch (or when the kernel raises, e.g. cannot compile) disable that
+   signature for the process, warn with the first differing element (or the error) and return
+   the eager result; otherwise remember it as verified;
 4. verified signature -> kernel only, no host sync. An op may hand the gate a launcher
    specialised to one argument layout (:attr:`FusedOp.specialize`): the signature is verified
    through it, and later calls of that layout go straight to it.
@@ -289,6 +289,9 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         return op.reference(*args)
 
     timed = first_calls.start("verify", op.name)  # (the launch plans and compiles inside it are their own)
+    # the reference first: an op may learn from it what its kernel needs (a region's output
+    # layouts), and need not run it again
+    ref = op.reference(*args)
     _local.verifying = True
     fast = None
     try:
@@ -301,7 +304,6 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         failure = None
     finally:
         _local.verifying = False
-    ref = op.reference(*args)
     problem = failure or first_difference(out, ref)
     first_calls.stop(timed)
     if problem is None:

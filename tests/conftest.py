@@ -58,24 +58,8 @@ tests/patches/test_context_parallel.py::test_uneven_shards_run_diffusers_code_wi
 """.splitlines() if line.strip())
 
 
-#: tests/engine's files run in the order test_engine.py had them before it was split: the pointwise
-#: rules first. Run after the captured models and templates in one process, one pointwise case
-#: (relu, odd shape, fp16) once gave -0.0 where eager gives +0.0 -- some state leaks between engine
-#: tests (not found yet); this order is the one the suite has always passed in.
-ENGINE_ORDER = ("test_indexing", "test_rules", "test_templates", "test_captured_models", "test_runtime",
-                "test_partition")
-
-
-def _engine_rank(item) -> int:
-    stem = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-    return ENGINE_ORDER.index(stem) if item.nodeid.startswith("tests/engine/") and stem in ENGINE_ORDER else -1
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    engine = [i for i, item in enumerate(items) if _engine_rank(item) >= 0]
-    for i, item in zip(engine, sorted((items[i] for i in engine), key=_engine_rank)):
-        items[i] = item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:

@@ -13,7 +13,8 @@ import torch.fx as fx
 from exactdit.aten.norms import fma_f32, layer_norm_order_model, rms_norm_order_model
 from exactdit.aten.reduce import mean_lastdim_reference_order
 from exactdit.engine.backend import rewrite
-from exactdit.engine.capture import capture_graphs  # noqa: F401  (tests import it from here)
+from exactdit.engine import capture
+from exactdit.patches.engine import repeated_blocks
 from tests.helpers import assert_bits_equal, interpreter_rsqrt
 
 aten = torch.ops.aten
@@ -63,7 +64,26 @@ def _addcmul(a, b, c, value=1):
     return out.to(dtype)
 
 
+def _clamp(x, min=None, max=None):
+    """CUDA's clamp-family kernels as torch 2.11 has them (``launch_clamp_scalar``): NaN stays,
+    else ``fminf(fmaxf(v, min), max)`` in opmath, where fmaxf / fminf order -0 below +0
+    (``relu(-0.0)`` is +0.0 there; the CPU kernels select and keep -0.0)."""
+    v = x.float()
+    y = v
+    if min is not None:
+        k = torch.tensor(float(min), dtype=torch.float32)
+        y = torch.where((y < k) | ((y == k) & torch.signbit(y) & ~torch.signbit(k)), k, y)
+    if max is not None:
+        k = torch.tensor(float(max), dtype=torch.float32)
+        y = torch.where((y > k) | ((y == k) & ~torch.signbit(y) & torch.signbit(k)), k, y)
+    return torch.where(torch.isnan(v), v, y).to(x.dtype)
+
+
 CUDA_ORDER = {
+    aten.relu.default: lambda x: _clamp(x, 0.0),
+    aten.clamp_min.default: lambda x, min: _clamp(x, min=min),
+    aten.clamp_max.default: lambda x, max: _clamp(x, max=max),
+    aten.clamp.default: _clamp,
     aten.addcmul.default: _addcmul,
     aten.mul.Tensor: _mul,
     aten.div.Tensor: _div,
@@ -82,6 +102,12 @@ class CudaOrderInterpreter(fx.Interpreter):
         if fn is not None:
             return fn(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
+    """The graphs of ``model``'s repeated blocks (those ``exactdit.patch`` patches) and their inputs
+    (:func:`exactdit.engine.capture.capture_graphs`)."""
+    return capture.capture_graphs(model, kwargs, repeated_blocks(model))
 
 
 def engine_eager_reasons() -> dict:

@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--match", default="")
     args = ap.parse_args()
     from exactdit.engine.capture import capture_graphs
+    from exactdit.patches.engine import repeated_blocks
     from tests import minis
     from exactdit.harness.models.core import build_random, thaw
 
@@ -42,7 +43,7 @@ def main() -> None:
     model = build_random(lambda: spec.transformer_cls(**cfg), seed=0, dtype=torch.bfloat16, device="cpu")
     print("| graph | region | warps | layout conversions | barriers | shuffles | shared bytes |")
     print("|---|---|---|---|---|---|---|")
-    for cls, gm, _ in capture_graphs(model, minis.forward_inputs(args.mini, model)):
+    for cls, gm, _ in capture_graphs(model, minis.forward_inputs(args.mini, model), repeated_blocks(model)):
         for label, fn, sig, consts, options in compile_for_gpu.region_launches(args.mini, gm):
             if args.match not in label:
                 continue

@@ -37,6 +37,7 @@ from benchmarks.models.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import templates, timing  # noqa: E402
 from exactdit.engine.templates import norms as norm_templates, pointwise as pointwise_template  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
+from exactdit.patches.engine import repeated_blocks  # noqa: E402
 from exactdit.device import trees as rms_k  # noqa: E402
 from exactdit.device import rows as rows_k  # noqa: E402
 
@@ -103,7 +104,7 @@ def main() -> None:
     os.environ["EXACTDIT_TRUST"] = "1"  # equality is checked here, once per variant
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    measured = timing.measure(tr, kw)
+    measured = timing.measure(tr, kw, repeated_blocks(tr))
     graph, timer, partition = next(m for m in measured if args.graph in (None, m[0].name))
     values = {n.name: v for n, v in timer.values.items()}
     picks, variants = SWEEPS[args.template]

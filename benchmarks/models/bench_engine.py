@@ -37,7 +37,7 @@ def compile_regions(tr) -> None:
     if getattr(tr, "_repeated_blocks", None):
         tr.compile_repeated_blocks(fullgraph=True)
         return
-    from exactdit.engine.capture import repeated_blocks
+    from exactdit.patches.engine import repeated_blocks
 
     classes = set(repeated_blocks(tr))
     for m in tr.modules():

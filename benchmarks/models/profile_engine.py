@@ -25,6 +25,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.runner import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
 from exactdit.engine import timing  # noqa: E402
+from exactdit.patches.engine import repeated_blocks  # noqa: E402
 from exactdit.engine.runtime import RegionOp  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     os.environ["EXACTDIT_TRUST"] = "1"  # time the kernels; equality is bench_engine's job
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)
-    measured = timing.measure(tr, kw)
+    measured = timing.measure(tr, kw, repeated_blocks(tr))
     print("\n".join(timing.summary_lines([g for g, _, _ in measured])), flush=True)
     regions_out = []
     for graph, timer, partition in measured:

@@ -285,7 +285,9 @@ def _clamp_emit(em, node, index):
     y = v
     # ATen's clamp kernels: NaN stays NaN, else min(max(v, lo), hi) in opmath with CUDA's
     # fmaxf / fminf, which order -0 below +0 (relu(-0.0) is +0.0, measured): written as selects,
-    # a bound of the other zero's sign wins a tie
+    # a bound of the other zero's sign wins a tie. (torch 2.11's launch_clamp_scalar in
+    # ATen/native/cuda/TensorCompare.cu; PyTorch's later source returns v where v == the bound,
+    # relu(-0.0) = -0.0 as on the CPU: a torch with that differs from this rule on -0.0 inputs.)
     if lo is not None:
         k = em.constant(float(lo), torch.float32).name
         tie = "<=" if float(lo) == 0 and math.copysign(1.0, float(lo)) > 0 else "<"

@@ -22,6 +22,15 @@ aten = torch.ops.aten
 # --- views --------------------------------------------------------------------------------------
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+#: views that keep their input's elements in row-major order, only the shape changes (a squeeze's
+#: or unsqueeze's rule drops or inserts the size-1 dims directly)
+RESHAPES = _VIEWS + (aten.unsqueeze.default,) + _SQUEEZES
+#: views that reorder their input's dims (:func:`permutation`)
+PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
+
+
 def _dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
@@ -64,20 +73,24 @@ def _expand(node, index):
     return broadcast_index(index, shape_of(node), shape_of(node.args[0]))
 
 
-def _permute(node, index):
-    dims = [_dim(d, len(index)) for d in node.args[1]]
-    out: list[Ix] = [Ix()] * len(index)
-    for i, d in enumerate(dims):
-        out[d] = index[i]
-    return tuple(out)
-
-
-def _transpose(node, index):
+def permutation(node: fx.Node) -> list[int]:
+    """The input dim of each output dim of a ``permute``, ``t`` or ``transpose``: output dim ``i``
+    is input dim ``permutation(node)[i]``."""
+    rank = len(shape_of(node))
+    if node.target is aten.permute.default:
+        return [_dim(d, rank) for d in node.args[1]]
+    dims = list(range(rank))
     if node.target is aten.t.default:
-        return tuple(reversed(index))
-    a, b = (_dim(d, len(index)) for d in node.args[1:3])
-    out = list(index)
-    out[a], out[b] = out[b], out[a]
+        return dims[::-1]
+    a, b = (_dim(d, rank) for d in node.args[1:3])
+    dims[a], dims[b] = dims[b], dims[a]
+    return dims
+
+
+def _permute(node, index):
+    out: list[Ix] = [Ix()] * len(index)
+    for i, d in enumerate(permutation(node)):
+        out[d] = index[i]
     return tuple(out)
 
 
@@ -110,7 +123,7 @@ def _slice_check(node):
     return None if isinstance(step, int) and step >= 1 else f"slice step {step!r}"
 
 
-_register([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_rule(_reshape))
+_register(_VIEWS, _view_rule(_reshape))
 
 
 def _view_as_complex(em, node, index):
@@ -133,12 +146,25 @@ def _view_as_real(em, node, index):
 _register([aten.view_as_complex.default], Rule(VIEW, _view_as_complex))
 _register([aten.view_as_real.default], Rule(VIEW, _view_as_real))
 _register([aten.unsqueeze.default], _view_rule(_unsqueeze))
-_register([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _view_rule(_squeeze))
+_register(_SQUEEZES, _view_rule(_squeeze))
 _register([aten.expand.default], _view_rule(_expand))
-_register([aten.permute.default], _view_rule(_permute))
-_register([aten.t.default, aten.transpose.int], _view_rule(_transpose))
+_register(PERMUTES, _view_rule(_permute))
 _register([aten.select.int], _view_rule(_select))
 _register([aten.slice.Tensor], Rule(VIEW, _view_rule(_slice).emit, _slice_check))
+
+
+def forwards_index(node: fx.Node) -> bool:
+    """Whether :func:`forward_index` inverts ``node``'s rule (a view of the same element count)."""
+    return node.target in PERMUTES or node.target in RESHAPES
+
+
+def forward_index(node: fx.Node, index: Index) -> Index:
+    """The index of the output element of a :data:`PERMUTES` or :data:`RESHAPES` view that is
+    its input's element at ``index``: the view's rule read the other way (the templates follow a
+    region's outputs forward from its domain, :func:`exactdit.engine.templates.base.output_index`)."""
+    if node.target in PERMUTES:
+        return tuple(index[d] for d in permutation(node))
+    return reshape_index(index, shape_of(node.args[0]), shape_of(node))
 
 
 def _split_pieces(base: fx.Node) -> list[tuple[int, int]] | None:

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 
-def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
-    """The block classes the engine patches in ``model``: its ``_repeated_blocks`` where diffusers
-    lists them, and the classes of its block lists: the ``nn.ModuleList``s whose members (one or
-    more) are all of one class defined outside ``torch.nn`` (SD3's ``transformer_blocks``,
-    PixArt's, Sana's, Lumina2's refiners and layers), outermost lists only, outside the listed
-    blocks and holding none. A lone block counts (a model at a 1-layer config) where its list lies
-    in no other list (a UNet's per-stage ``downsamplers`` do), and so does a list of a class
-    ``_repeated_blocks`` leaves out (HunyuanVideo's token-replace blocks, token refiners and text
-    projections some classes do not list)."""
-    listed = tuple(getattr(model, "_repeated_blocks", None) or ())
+def repeated_blocks(model: torch.nn.Module, listed: Sequence[str]) -> tuple[str, ...]:
+    """The block classes the engine patches in ``model``: ``listed``, the classes the model lists
+    itself (diffusers' ``_repeated_blocks``, which the caller reads:
+    :func:`exactdit.patches.engine.repeated_blocks`), and the classes of its block lists: the
+    ``nn.ModuleList``s whose members (one or more) are all of one class defined outside
+    ``torch.nn`` (SD3's ``transformer_blocks``, PixArt's, Sana's, Lumina2's refiners and layers),
+    outermost lists only, outside the listed blocks and holding none. A lone block counts (a model
+    at a 1-layer config) where its list lies in no other list (a UNet's per-stage ``downsamplers``
+    do), and so does a list of a class ``listed`` leaves out (HunyuanVideo's token-replace blocks,
+    token refiners and text projections some classes do not list)."""
+    listed = tuple(listed)
     found: list[str] = list(listed)
     inside: list[str] = []
     lists: list[str] = []  # every ModuleList seen
@@ -53,8 +55,9 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(c for c in found if c not in nested or c in listed)
 
 
-def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.GraphModule, list]]:
-    """The ATen inference graphs of ``model``'s repeated blocks (captured as
+def capture_graphs(model: torch.nn.Module, kwargs: dict, blocks: Iterable[str]) -> list[tuple[str, fx.GraphModule, list]]:
+    """The ATen inference graphs of ``model``'s blocks of the classes named in ``blocks`` (its
+    repeated blocks: :func:`exactdit.patches.engine.repeated_blocks`; captured as
     ``compile_repeated_blocks`` captures them: one backend per block class) and the inputs of each
     graph's first call: [(block class, graph module, inputs)]; ``gm.meta["calls"]``: how many
     blocks of the forward ran that graph (a class is captured again where its inputs change
@@ -79,9 +82,9 @@ def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.G
 
     torch._dynamo.reset()
     backends: dict = {}
-    names = set(repeated_blocks(model))
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    for m in blocks:
+    names = set(blocks)
+    modules = [m for m in model.modules() if type(m).__name__ in names]
+    for m in modules:
         label = type(m).__name__
         backend = backends.setdefault(label, backend_for(label))
         m._compiled_call_impl = torch.compile(m._call_impl, backend=backend, fullgraph=True, dynamic=False)
@@ -89,7 +92,7 @@ def capture_graphs(model: torch.nn.Module, kwargs: dict) -> list[tuple[str, fx.G
         with torch.no_grad():
             model(**kwargs)
     finally:
-        for m in blocks:
+        for m in modules:
             m._compiled_call_impl = None
         torch._dynamo.reset()
     return [tuple(entry) for entry in captured]

@@ -83,7 +83,11 @@ class RegionOp:
     # --- gate callbacks -------------------------------------------------------------------------
 
     def _reference(self, *inputs):
-        return tuple(self.reference(*inputs))
+        outs = tuple(self.reference(*inputs))
+        key = _layout_key(inputs)
+        if key not in self._out_layouts:  # what the kernels' outputs take (the gate runs this first)
+            self._out_layouts[key] = [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]
+        return outs
 
     def _unsupported(self, *inputs):
         if self.region.kind == "gemm":
@@ -214,14 +218,13 @@ class RegionOp:
         one shape), and a fake value follows the fake inputs, whose size-1 strides can differ from
         the real ones (an attention output), or predicts them otherwise (``x * 0.5`` on a
         (1, 2, 1, 6) tensor of strides (12, 6, 12, 1): eager keeps them, the meta kernel gives
-        (12, 6, 6, 1)). The kernels take any output strides."""
-        key = tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
-        layout = self._out_layouts.get(key)
+        (12, 6, 6, 1)). The kernels take any output strides. The gate's verification runs the
+        reference before the kernel, which leaves its layout here: no second run."""
+        layout = self._out_layouts.get(_layout_key(inputs))
         if layout is None:
             with torch.no_grad(), first_calls.phase("layout", self.region.name):
-                outs = self._reference(*inputs)
-            layout = [(tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs]
-            self._out_layouts[key] = layout
+                self._reference(*inputs)
+            layout = self._out_layouts[_layout_key(inputs)]
         return layout
 
     def kernels(self) -> list[tuple[object, GeneratedKernel]]:
@@ -289,6 +292,11 @@ class _Launch:
     #: per kernel parameter: (0 inputs / 1 outputs / 2 tables, index, dim for a stride or -1)
     params: tuple[tuple[int, int, int], ...]
     kwargs: dict
+
+
+def _layout_key(inputs) -> tuple:
+    """What of a region's inputs its output layouts depend on."""
+    return tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 def _poison(outs) -> None:

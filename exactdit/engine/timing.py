@@ -32,14 +32,15 @@ class GraphTime:
         return self.fused_away_ms / self.other_ms if self.other_ms else 1.0
 
 
-def measure(model, kwargs: dict, timer=None) -> list[tuple["GraphTime", object, object]]:
-    """Capture ``model``'s block graphs on one forward with ``kwargs``, time each ATen op of each
-    graph run eagerly op by op (CUDA events on the GPU), and split the time by what the engine
-    fuses. Returns [(GraphTime, the NodeTimer with every node's value, the partition)]; the
+def measure(model, kwargs: dict, blocks, timer=None) -> list[tuple["GraphTime", object, object]]:
+    """Capture ``model``'s graphs of the block classes named in ``blocks`` (its repeated blocks:
+    :func:`exactdit.patches.engine.repeated_blocks`) on one forward with ``kwargs``, time each ATen
+    op of each graph run eagerly op by op (CUDA events on the GPU), and split the time by what the
+    engine fuses. Returns [(GraphTime, the NodeTimer with every node's value, the partition)]; the
     partition's nodes belong to the prepared copy of the graph (same names as the captured nodes
     they stand for)."""
     out = []
-    for k, (cls, gm, inputs) in enumerate(capture_graphs(model, kwargs)):
+    for k, (cls, gm, inputs) in enumerate(capture_graphs(model, kwargs, blocks)):
         weight = gm.meta["calls"]  # the blocks that ran this graph (a recapture takes its own)
         node_timer = (timer or NodeTimer)(gm)
         ms = node_timer.timed(inputs)

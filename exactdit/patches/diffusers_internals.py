@@ -6,7 +6,7 @@ admits). A new diffusers release that moves any of these is a change to this mod
   with ``hooks`` by name and ``_fn_refs``, the chain of forwards; each ref's innermost callable is
   ``original_forward`` when a hook replaced the forward, else ``forward``);
 * the block classes a transformer lists for ``compile_repeated_blocks`` (``_repeated_blocks``;
-  read by :func:`exactdit.engine.capture.repeated_blocks` as well);
+  the engine's capture is handed them: :func:`exactdit.patches.engine.repeated_blocks`);
 * a transformer class's context-parallel plan (``_cp_plan``).
 """
 

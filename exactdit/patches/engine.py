@@ -4,7 +4,7 @@ diffusers lists each transformer's repeated block classes in ``_repeated_blocks`
 own ``compile_repeated_blocks`` compiles); the members of the model's block lists (its
 ``nn.ModuleList``s of one class: SD3, PixArt, Sana, CogVideoX, Lumina2, ... list none, and
 HunyuanVideo's token-replace blocks are not listed) are blocks too, a lone one included (1-layer
-configs; :func:`exactdit.engine.capture.repeated_blocks`). Each such block, and the final-norm modules listed in
+configs; :func:`repeated_blocks`). Each such block, and the final-norm modules listed in
 :data:`EXTRA_MODULES`, gets a compiled call through the ``exactdit`` backend: Dynamo captures
 the block class once (all instances share the graph), the engine rewrites it, and the block
 runs the rewritten graph. Parameters, state_dict, hooks and the module tree are untouched: only
@@ -53,7 +53,7 @@ import torch
 
 from exactdit import first_calls, gate
 from exactdit.engine import coverage
-from exactdit.engine.capture import repeated_blocks
+from exactdit.engine import capture
 from exactdit.patches import diffusers_internals
 from exactdit.state import STATE
 
@@ -479,6 +479,13 @@ def _remove_inner_calls(module: torch.nn.Module) -> None:
 def _first_line(e: Exception) -> str:
     lines = str(e).strip().splitlines()
     return lines[0][:300] if lines else ""
+
+
+def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
+    """The block classes the engine patches in ``model``: those its class lists for diffusers'
+    ``compile_repeated_blocks`` and the classes of its block lists
+    (:func:`exactdit.engine.capture.repeated_blocks`)."""
+    return capture.repeated_blocks(model, diffusers_internals.repeated_block_names(model))
 
 
 def targets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

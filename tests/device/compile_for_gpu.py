@@ -64,6 +64,7 @@ def engine_launches():
 
     from exactdit.engine.capture import capture_graphs
     from exactdit.harness import models
+    from exactdit.patches.engine import repeated_blocks
     from tests import minis
 
     graphs = []
@@ -72,11 +73,12 @@ def engine_launches():
         tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16)
         video = dict(num_frames=5) if models.get_spec(name).video else {}
         kw = models.forward_inputs(name, tr, batch=2, height=32, width=32, **video)
-        graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw)]
+        graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw, repeated_blocks(tr))]
     for name in mini_names:  # mini models in both dtypes (tests/minis/test_minis.py)
         for dtype in (torch.bfloat16, torch.float32):
             tr = minis.build(name, dtype=dtype)
-            graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, minis.forward_inputs(name, tr))]
+            kw = minis.forward_inputs(name, tr)
+            graphs += [(name, gm) for _, gm, _ in capture_graphs(tr, kw, repeated_blocks(tr))]
     # F.rms_norm per head on two streams, cat, interleaved RoPE (Flux's QK path on CUDA)
     aten, g = torch.ops.aten, fx.Graph()
 

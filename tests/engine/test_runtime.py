@@ -165,6 +165,27 @@ def test_a_verified_region_layout_is_served_by_its_launch_plan(interpreted_launc
     assert len(interpreted_launchers) == 3
 
 
+@pytest.mark.parametrize("route", ["launch plan", "jit"])
+def test_verification_runs_the_regions_aten_nodes_once(route, request):
+    """The first call of a signature runs the region's ATen nodes once: the gate's reference run
+    also gives the layout the kernel's outputs take."""
+    if route == "launch plan":
+        request.getfixturevalue("interpreted_launchers")
+    b = GraphBuilder()
+    g = torch.Generator().manual_seed(1)
+    inputs = [rand((3, 40), torch.bfloat16, "cpu", g), rand((3, 40), torch.bfloat16, "cpu", g), rand((3,), torch.bfloat16, "cpu", g)]
+    gm = b.module(*POINTWISE_GRAPHS["gated residual"](b, *[b.input(t) for t in inputs]))
+    with torch.no_grad():
+        ref = gm(*inputs)
+        rewrite(gm, "once")
+        (op,) = [n.target.exactdit_region for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")]
+        runs, reference = [], op.reference
+        op.reference = lambda *a: runs.append(1) or reference(*a)
+        for _ in range(2):
+            assert_bits_equal(gm(*inputs)[0], ref[0], "once")
+    assert len(runs) == 1 and exactdit.report(show=False)["once.r0"]["fused"] == 2
+
+
 def test_a_wrong_region_is_disabled_and_eager_returned(monkeypatch):
     from exactdit.engine import runtime
 

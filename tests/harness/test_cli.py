@@ -115,7 +115,7 @@ def test_coverage_lists_regions_and_the_fused_share():
 def test_coverage_says_what_it_measures(monkeypatch):
     from exactdit.engine import timing
 
-    monkeypatch.setattr(timing, "measure", lambda tr, kw: [])
+    monkeypatch.setattr(timing, "measure", lambda tr, kw, blocks: [])
     res = invoke("coverage", "--model", "wan", "--device", "cpu")
     assert res.exit_code == 0, res.output
     assert res.output.startswith("exactdit coverage: wan config=tiny (")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import exactdit
-from exactdit.engine.capture import repeated_blocks
+from exactdit.patches.engine import repeated_blocks
 from tests import minis
 from exactdit.harness.metrics import outputs_equal
 from exactdit.harness.models import run_forward

@@ -10,12 +10,12 @@ import math
 import torch
 import torch.fx as fx
 
+from exactdit.engine.aten_ops import POINTWISE, UNARY_TABLE, rule_for
+from exactdit.engine.aten_views import forward_index, forwards_index
 from exactdit.engine.emit import Code, Emitter, Operand, is_wide, shape_of
 from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.tables import CONSTEXPR_FIELDS
-
-aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +148,8 @@ def _path(starts: set[fx.Node], out: fx.Node, members: set) -> list[fx.Node] | N
 
 
 def _forward_kind(node: fx.Node) -> str | None:
-    from exactdit.engine.aten_ops import POINTWISE, UNARY_TABLE, rule_for
-
-    if node.target in (aten.permute.default, aten.t.default, aten.transpose.int):
-        return "permute"
-    if node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                       aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims):
-        return "reshape"
+    if forwards_index(node):
+        return "view"
     rule = rule_for(node)
     if rule is not None and rule.kind in (POINTWISE, UNARY_TABLE):
         return "same"
@@ -163,21 +158,7 @@ def _forward_kind(node: fx.Node) -> str | None:
 
 def _forward(node: fx.Node, index: Index) -> Index:
     """The index of ``node``'s output element computed from its input element at ``index``."""
-    kind = _forward_kind(node)
-    if kind == "same":
-        return index
-    in_shape = shape_of(node.args[0])
-    if kind == "reshape":
-        return reshape_index(index, in_shape, shape_of(node))
-    if node.target is aten.permute.default:
-        dims = [d % len(index) for d in node.args[1]]
-    elif node.target is aten.t.default:
-        dims = list(reversed(range(len(index))))
-    else:
-        a, b = (d % len(index) for d in node.args[1:3])
-        dims = list(range(len(index)))
-        dims[a], dims[b] = dims[b], dims[a]
-    return tuple(index[d] for d in dims)
+    return index if _forward_kind(node) == "same" else forward_index(node, index)
 
 
 def _store_outputs(em: Emitter, region: Region, launch: Launch, index: Index, outs: list[Operand]) -> None:

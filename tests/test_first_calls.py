@@ -77,7 +77,8 @@ def test_a_models_first_call_fills_the_account_a_repeated_call_leaves_it_and_res
     finally:
         exactdit.unpatch(tr)
     block = first["FluxTransformer2DModel.FluxTransformerBlock"]
-    for phase in ("capture", "partition", "codegen", "layout", "verify", "other"):
+    # ("layout" is not among them: the verification's reference run leaves each output layout)
+    for phase in ("capture", "partition", "codegen", "verify", "other"):
         assert block[phase][0] > 0 and block[phase][1] > 0, (phase, block)
     assert "FluxTransformer2DModel.FluxSingleTransformerBlock" in first
     assert sum(s for s, _ in first_calls.totals(first).values()) <= wall  # phases are exclusive

@@ -40,6 +40,11 @@ def innermost_attr(ref) -> str:
     return "original_forward" if getattr(ref, "original_forward", None) is not None else "forward"
 
 
+def repeated_block_names(model) -> tuple[str, ...]:
+    """The block classes ``model``'s class lists for ``compile_repeated_blocks``."""
+    return tuple(getattr(model, "_repeated_blocks", None) or ())
+
+
 def context_parallel_plan(model):
     """``model``'s class's own context-parallel plan, or None."""
     return getattr(model, "_cp_plan", None)

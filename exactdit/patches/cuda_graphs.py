@@ -49,6 +49,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from exactdit import gate
+from exactdit.device import launch
 from exactdit.patches import engine
 from exactdit.patches.graph_watch import _ModelWatch  # noqa: F401  (tests and benchmarks import it from here)
 from exactdit.patches.engine import _first_line
@@ -86,6 +87,7 @@ class _CudaGraphs:
     def capture(self, pool, alloc, run, what: str):
         """``alloc()`` then ``run(alloc's result)`` recorded into a graph of ``pool``: (graph,
         alloc's result, run's result). ``what``: "forward" or "block"."""
+        launch.wait_for_ahead()  # no compile thread touches the device while a graph is recorded
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool.id):
             made = alloc()

@@ -229,3 +229,61 @@ def test_tables_reproduce_eager_on_every_input():
             assert why is None and table is not None
     spec = tables.derive_spec(torch.tanh(tables.every_value(torch.bfloat16, "cpu")), torch.bfloat16)
     assert 0 < spec.window <= tables.MAX_WINDOW  # the window, not the full table
+
+
+def _specialised(args) -> list:
+    """What Triton's specialisation reads of each argument: a tensor's dtype and 16-byte alignment,
+    any other value itself."""
+    return [(a.dtype, a.data_ptr() % 16 == 0) if hasattr(a, "data_ptr") else a for a in args]
+
+
+@pytest.mark.parametrize("case", ["wan block", "tables, complex input, several outputs"])
+def test_kernels_compiled_ahead_are_the_ones_the_first_call_compiles(both_launch_routes, monkeypatch, case):
+    """Each region's kernels are started compiling when its graph is rewritten, for the layout the
+    captured graph shows: the same kernels, with arguments Triton specialises the same way as the
+    first call's own (so the first call finds them compiled)."""
+    from exactdit.device import launch
+
+    monkeypatch.setenv("EXACTDIT_COMPILE_AHEAD", "1")
+    ahead, real = {}, {}
+    monkeypatch.setattr(launch, "compile_ahead", lambda fn, grid, args, kwargs, device: ahead.setdefault(
+        fn, (grid, _specialised(args), kwargs)))
+    compile_for = launch.compile_for
+
+    def recording(fn, grid, args, kwargs, device):
+        real.setdefault(fn, (grid, _specialised(args), kwargs))
+        return compile_for(fn, grid, args, kwargs, device)
+
+    monkeypatch.setattr(launch, "compile_for", recording)
+    if case == "wan block":
+        tr = models.build_transformer("wan", "tiny", dtype=torch.bfloat16, seed=4)
+        kw = models.forward_inputs("wan", tr, batch=1, seed=5, height=32, width=32, num_frames=5)
+        graphs = [(gm, inputs) for _, gm, inputs in capture_graphs(tr, kw)]
+    else:
+        g = torch.Generator().manual_seed(2)
+        x, u = rand((2, 5, 64), torch.bfloat16, "cpu", g), rand((2, 5, 64), torch.bfloat16, "cpu", g)
+        freqs = torch.polar(torch.ones(5, 1, 16), torch.randn(5, 1, 16, generator=g))
+        b = GraphBuilder()
+        xi, ui, fi = (b.input(t) for t in (x, u, freqs))
+        h = b.op(aten.mul.Tensor, ui, b.op(aten.gelu.default, xi, approximate="tanh"))
+        q = _complexrope_graph(b, b.op(aten.view.default, xi, [2, 5, 2, 32]), fi)
+        graphs = [(b.module(h, b.op(aten.add.Tensor, h, xi), q), (x, u, freqs))]
+    for gm, inputs in graphs:
+        with torch.no_grad(), trusted():
+            rewrite(gm, f"ahead {case}")
+            assert ahead and not real  # started at the rewrite, before any region ran
+            gm(*inputs)
+    assert real and ahead == real
+
+
+def test_compiling_ahead_is_opt_in_and_cuda_only(monkeypatch):
+    from exactdit.device import launch
+
+    monkeypatch.setenv("EXACTDIT_COMPILE_AHEAD", "1")
+    assert not launch.ahead_enabled(torch.device("cpu"))
+    monkeypatch.setattr(launch, "supported", lambda device: True)
+    assert launch.ahead_enabled(torch.device("cuda"))
+    monkeypatch.setenv("EXACTDIT_COMPILE_AHEAD", "0")
+    assert not launch.ahead_enabled(torch.device("cuda"))
+    monkeypatch.delenv("EXACTDIT_COMPILE_AHEAD")  # off by default until measured on a GPU
+    assert not launch.ahead_enabled(torch.device("cuda"))

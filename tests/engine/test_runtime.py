@@ -141,11 +141,16 @@ def test_launch_plans_with_tables_complex_inputs_and_several_outputs(both_launch
     assert len(both_launch_routes) >= 2
 
 
-def test_a_verified_region_layout_is_served_by_its_launch_plan(interpreted_launchers):
+def _gated_residual():
+    """A small region graph (x + gate * y over 3 rows of 40) and its inputs."""
     b = GraphBuilder()
     g = torch.Generator().manual_seed(1)
     inputs = [rand((3, 40), torch.bfloat16, "cpu", g), rand((3, 40), torch.bfloat16, "cpu", g), rand((3,), torch.bfloat16, "cpu", g)]
-    gm = b.module(*POINTWISE_GRAPHS["gated residual"](b, *[b.input(t) for t in inputs]))
+    return b.module(*POINTWISE_GRAPHS["gated residual"](b, *[b.input(t) for t in inputs])), inputs
+
+
+def test_a_verified_region_layout_is_served_by_its_launch_plan(interpreted_launchers):
+    gm, inputs = _gated_residual()
     with torch.no_grad():
         ref = gm(*inputs)
         rewrite(gm, "plan")
@@ -171,10 +176,7 @@ def test_verification_runs_the_regions_aten_nodes_once(route, request):
     also gives the layout the kernel's outputs take."""
     if route == "launch plan":
         request.getfixturevalue("interpreted_launchers")
-    b = GraphBuilder()
-    g = torch.Generator().manual_seed(1)
-    inputs = [rand((3, 40), torch.bfloat16, "cpu", g), rand((3, 40), torch.bfloat16, "cpu", g), rand((3,), torch.bfloat16, "cpu", g)]
-    gm = b.module(*POINTWISE_GRAPHS["gated residual"](b, *[b.input(t) for t in inputs]))
+    gm, inputs = _gated_residual()
     with torch.no_grad():
         ref = gm(*inputs)
         rewrite(gm, "once")

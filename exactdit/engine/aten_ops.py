@@ -275,7 +275,27 @@ def _clamp_check(node):
     bounds = _clamp_bounds(node)
     if any(b is not None and (isinstance(b, (fx.Node, bool)) or not isinstance(b, (int, float))) for b in bounds):
         return "clamp with tensor bounds"
+    if _clamp_at_zero(node):
+        device = getattr(node.meta.get("val"), "device", None)
+        if device is not None and device.type == "cuda" and not cuda_zero_ties_as_modelled(device.index or 0):
+            return "this torch's CUDA clamp keeps the sign of a zero on a tie with a zero bound (the rule models torch 2.11's)"
     return _tensor_args_float(node)
+
+
+_ZERO_TIES: dict[int, bool] = {}
+
+
+def cuda_zero_ties_as_modelled(index: int) -> bool:
+    """Whether the live CUDA clamp orders -0 below +0 at a zero bound as :func:`_clamp_emit` does
+    (torch 2.11: ``clamp_min([-0., 0.], 0.)`` is ``[0., 0.]``, ``clamp_max([-0., 0.], -0.)`` is
+    ``[-0., -0.]``), asked once per device. A torch that returns the input on a tie (later
+    PyTorch source) leaves zero-bound clamps to ATen rather than give another zero's sign."""
+    known = _ZERO_TIES.get(index)
+    if known is None:
+        z = torch.tensor([-0.0, 0.0], device=torch.device("cuda", index))
+        lo, hi = torch.signbit(torch.clamp_min(z, 0.0)), torch.signbit(torch.clamp_max(z, -0.0))
+        known = _ZERO_TIES[index] = bool((~lo).all() and hi.all())
+    return known
 
 
 def _clamp_emit(em, node, index):
@@ -287,7 +307,7 @@ def _clamp_emit(em, node, index):
     # fmaxf / fminf, which order -0 below +0 (relu(-0.0) is +0.0, measured): written as selects,
     # a bound of the other zero's sign wins a tie. (torch 2.11's launch_clamp_scalar in
     # ATen/native/cuda/TensorCompare.cu; PyTorch's later source returns v where v == the bound,
-    # relu(-0.0) = -0.0 as on the CPU: a torch with that differs from this rule on -0.0 inputs.)
+    # relu(-0.0) = -0.0 as on the CPU: where the live kernel does that, _clamp_check refuses.)
     if lo is not None:
         k = em.constant(float(lo), torch.float32).name
         tie = "<=" if float(lo) == 0 and math.copysign(1.0, float(lo)) > 0 else "<"

@@ -91,3 +91,27 @@ def test_region_outputs_have_eagers_strides_over_size_one_dims(name, layout, met
     assert_bits_equal(out[0], ref[0], name)
     stats = exactdit.report(show=False)
     assert all(not e["disabled"] for e in stats.values()) and sum(e["fused"] for e in stats.values()) >= 1
+
+
+@pytest.mark.parametrize("op, bound", [("relu", None), ("clamp_min", 0.0), ("clamp_max", -0.0), ("clamp_min", 0.5)])
+def test_zero_bound_clamps_are_left_to_aten_where_cuda_keeps_the_zeros_sign(monkeypatch, op, bound):
+    """The clamp rule orders -0 below +0 at a zero bound, as torch 2.11's CUDA kernels do; where the
+    live CUDA kernel returns the input on a tie instead (later PyTorch), zero-bound clamps are refused."""
+    from types import SimpleNamespace
+
+    from exactdit.engine import aten_ops
+
+    aten = torch.ops.aten
+    b = GraphBuilder()
+    x = b.input(torch.randn(4, 8, dtype=torch.bfloat16))
+    node = b.op(aten.relu.default, x) if op == "relu" else b.op(getattr(aten, op).default, x, bound)
+    node.meta["val"] = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    check = aten_ops.rule_for(node).check
+    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: True})
+    assert check(node) is None
+    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: False})
+    why = check(node)
+    if bound == 0.5:  # no tie of zeros possible
+        assert why is None
+    else:
+        assert why is not None and "keeps the sign of a zero" in why

@@ -275,26 +275,29 @@ def _clamp_check(node):
     bounds = _clamp_bounds(node)
     if any(b is not None and (isinstance(b, (fx.Node, bool)) or not isinstance(b, (int, float))) for b in bounds):
         return "clamp with tensor bounds"
-    if _clamp_at_zero(node):
-        device = getattr(node.meta.get("val"), "device", None)
-        if device is not None and device.type == "cuda" and not cuda_zero_ties_as_modelled(device.index or 0):
+    device = getattr(node.meta.get("val"), "device", None)
+    if _clamp_at_zero(node) and device is not None and device.type == "cuda":
+        lo_ok, hi_ok = cuda_zero_ties_as_modelled(device.index or 0)
+        lo, hi = bounds
+        if (lo is not None and float(lo) == 0 and not lo_ok) or (hi is not None and float(hi) == 0 and not hi_ok):
             return "this torch's CUDA clamp keeps the sign of a zero on a tie with a zero bound (the rule models torch 2.11's)"
     return _tensor_args_float(node)
 
 
-_ZERO_TIES: dict[int, bool] = {}
+_ZERO_TIES: dict[int, tuple[bool, bool]] = {}
 
 
-def cuda_zero_ties_as_modelled(index: int) -> bool:
-    """Whether the live CUDA clamp orders -0 below +0 at a zero bound as :func:`_clamp_emit` does
-    (torch 2.11: ``clamp_min([-0., 0.], 0.)`` is ``[0., 0.]``, ``clamp_max([-0., 0.], -0.)`` is
-    ``[-0., -0.]``), asked once per device. A torch that returns the input on a tie (later
-    PyTorch source) leaves zero-bound clamps to ATen rather than give another zero's sign."""
+def cuda_zero_ties_as_modelled(index: int) -> tuple[bool, bool]:
+    """Whether the live CUDA clamp orders -0 below +0 at a zero lower / upper bound as
+    :func:`_clamp_emit` does (torch 2.11: ``clamp_min([-0., 0.], 0.)`` is ``[0., 0.]``,
+    ``clamp_max([-0., 0.], -0.)`` is ``[-0., -0.]``), asked once per device. A torch that returns
+    the input on a tie (later PyTorch source) leaves those clamps to ATen rather than give another
+    zero's sign."""
     known = _ZERO_TIES.get(index)
     if known is None:
         z = torch.tensor([-0.0, 0.0], device=torch.device("cuda", index))
         lo, hi = torch.signbit(torch.clamp_min(z, 0.0)), torch.signbit(torch.clamp_max(z, -0.0))
-        known = _ZERO_TIES[index] = bool((~lo).all() and hi.all())
+        known = _ZERO_TIES[index] = (bool((~lo).all()), bool(hi.all()))
     return known
 
 

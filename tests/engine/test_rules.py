@@ -107,11 +107,13 @@ def test_zero_bound_clamps_are_left_to_aten_where_cuda_keeps_the_zeros_sign(monk
     node = b.op(aten.relu.default, x) if op == "relu" else b.op(getattr(aten, op).default, x, bound)
     node.meta["val"] = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
     check = aten_ops.rule_for(node).check
-    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: True})
+    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: (True, True)})
     assert check(node) is None
-    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: False})
-    why = check(node)
-    if bound == 0.5:  # no tie of zeros possible
-        assert why is None
-    else:
-        assert why is not None and "keeps the sign of a zero" in why
+    lower = op != "clamp_max"
+    for ties in ((False, True), (True, False)):  # only the direction whose ties differ is refused
+        monkeypatch.setattr(aten_ops, "_ZERO_TIES", {0: ties})
+        why = check(node)
+        if bound == 0.5 or ties[0 if lower else 1]:  # no tie of zeros possible, or modelled right
+            assert why is None
+        else:
+            assert why is not None and "keeps the sign of a zero" in why

@@ -1,10 +1,14 @@
-"""Index arithmetic of the engine (:mod:`exactdit.engine.indexing`)."""
+"""Index arithmetic of the engine (:mod:`exactdit.engine.indexing`) and the index maps of views."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from exactdit.engine.aten_views import forward_index, forwards_index
 from exactdit.engine.indexing import Atom, Ix, broadcast_index, column_values, reshape_index
+from exactdit.engine.rules import rule_for
+from tests.engine_helpers import GraphBuilder
 
 aten = torch.ops.aten
 
@@ -39,3 +43,34 @@ def test_column_values_follow_what_an_index_computes():
     assert column_values(Ix.of(Atom("r", 4, False)) + Ix.of(c), c) is None  # another atom: unknown
     assert column_values(Ix.of(c).minus_const(64), c) == [v - 64 for v in range(512)]  # a cat piece's column
     assert column_values(Ix.of(Atom("(c * 3)", 1536, True)), c) is None  # an atom of unknown origin
+
+
+class _Reads:
+    """An emitter stand-in: a view's rule reads its input at an index, returned here."""
+
+    def value(self, node, index):
+        return index
+
+
+@pytest.mark.parametrize("target, args", [
+    (aten.permute.default, ([2, 0, 3, 1],)), (aten.permute.default, ([-1, 0, 1, -2],)),
+    (aten.transpose.int, (1, -1)), (aten.view.default, ([6, 4],)), (aten.view.default, ([2, 3, 2, 2],)),
+    (aten.reshape.default, ([2, 12],)), (aten._unsafe_view.default, ([24],)), (aten.unsqueeze.default, (1,)),
+    (aten.squeeze.dim, (2,)), (aten.squeeze.default, ()), (aten.squeeze.dims, ([2],)),
+], ids=lambda a: str(a))
+def test_forward_index_inverts_each_views_rule(target, args):
+    """Following a region's output forward (templates) and reading a view's input (its rule) are
+    one map read both ways."""
+    b = GraphBuilder()
+    node = b.op(target, b.input(torch.zeros(2, 3, 1, 4)), *args)
+    index = _atoms((2, 3, 1, 4))
+    assert forwards_index(node)
+    assert rule_for(node).emit(_Reads(), node, forward_index(node, index)) == index
+
+
+def test_forward_index_of_t():
+    b = GraphBuilder()
+    node = b.op(aten.t.default, b.input(torch.zeros(3, 5)))
+    index = _atoms((3, 5))
+    assert forward_index(node, index) == index[::-1]
+    assert rule_for(node).emit(_Reads(), node, index[::-1]) == index

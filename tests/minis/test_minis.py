@@ -62,15 +62,20 @@ def test_patch_captures_every_block(name):
         kws = [minis.forward_inputs(name, tr, batch=2, seed=s) for s in range(5, 5 + RECAPTURES_ALLOWED + 3)]
         return assert_recaptured_blocks_fall_back(tr, kws, run_forward)
     kw = minis.forward_inputs(name, tr, batch=2, seed=5)
-    ref = run_forward(tr, kw)
-    summary = exactdit.patch(tr)
-    try:
-        out = run_forward(tr, kw)
-    finally:
-        exactdit.unpatch(tr)
+    ref, summary, out = _unpatched_and_patched(tr, kw)
     assert summary["patched"] and set(summary["modules"]) >= set(repeated_blocks(tr))
     assert engine_eager_reasons() == {}
     assert outputs_equal(out, ref)  # Cosmos3: a list of per-item tensors
+
+
+def _unpatched_and_patched(tr, kw):
+    """The unpatched forward, ``exactdit.patch``'s summary and the patched forward (unpatched after)."""
+    ref = run_forward(tr, kw)
+    summary = exactdit.patch(tr)
+    try:
+        return ref, summary, run_forward(tr, kw)
+    finally:
+        exactdit.unpatch(tr)
 
 
 #: minis at 1-layer configs, as diffusers' own tests build these classes: the lone block of the
@@ -85,12 +90,7 @@ def assert_blocks_captured_and_equal(tr, kw, blocks) -> None:
     the patched forward is ``torch.equal`` to the unpatched one."""
     from exactdit.engine import coverage
 
-    ref = run_forward(tr, kw)
-    summary = exactdit.patch(tr)
-    try:
-        out = run_forward(tr, kw)
-    finally:
-        exactdit.unpatch(tr)
+    ref, summary, out = _unpatched_and_patched(tr, kw)
     assert summary["patched"], summary
     model = type(tr).__name__
     for cls in blocks:

@@ -295,9 +295,16 @@ def cuda_zero_ties_as_modelled(index: int) -> tuple[bool, bool]:
     zero's sign."""
     known = _ZERO_TIES.get(index)
     if known is None:
-        z = torch.tensor([-0.0, 0.0], device=torch.device("cuda", index))
-        lo, hi = torch.signbit(torch.clamp_min(z, 0.0)), torch.signbit(torch.clamp_max(z, -0.0))
-        known = _ZERO_TIES[index] = (bool((~lo).all()), bool(hi.all()))
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        try:
+            with unset_fake_temporarily():  # (partition may run under a tracing fake mode)
+                z = torch.tensor([-0.0, 0.0], device=torch.device("cuda", index))
+                lo, hi = torch.signbit(torch.clamp_min(z, 0.0)), torch.signbit(torch.clamp_max(z, -0.0))
+                known = (bool((~lo).all()), bool(hi.all()))
+        except Exception:  # noqa: BLE001 - e.g. a CUDA graph being recorded: refused now, asked again later
+            return (False, False)
+        _ZERO_TIES[index] = known
     return known
 
 

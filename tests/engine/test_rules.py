@@ -117,3 +117,17 @@ def test_zero_bound_clamps_are_left_to_aten_where_cuda_keeps_the_zeros_sign(monk
             assert why is None
         else:
             assert why is not None and "keeps the sign of a zero" in why
+
+
+def test_a_tie_probe_that_cannot_run_refuses_without_remembering(monkeypatch):
+    """Where the probe cannot run (a graph being recorded on the GPU, no device) zero-bound clamps
+    are refused for now, and the device is asked again next time."""
+    from exactdit.engine import aten_ops
+
+    def no_device(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(aten_ops, "_ZERO_TIES", {})
+    monkeypatch.setattr(torch, "tensor", no_device)
+    assert aten_ops.cuda_zero_ties_as_modelled(0) == (False, False)
+    assert aten_ops._ZERO_TIES == {}

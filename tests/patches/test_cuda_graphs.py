@@ -238,10 +238,8 @@ def _calls(tr, inputs):
     return [tr(*a) for a in inputs]
 
 
-def test_a_forward_that_cannot_be_recorded_whole_records_its_blocks(stand_in):
-    kind = stand_in(forward=HOST_COPY)
-    tr = _toy()
-    inputs = [_toy_inputs(s) for s in range(4)]
+def _assert_graphed_calls_equal(tr, inputs) -> None:
+    """The calls of ``tr`` patched with graphs give the unpatched calls' bits (unpatched after)."""
     refs = _calls(tr, inputs)
     exactdit.patch(tr, cuda_graphs=True)
     try:
@@ -250,6 +248,13 @@ def test_a_forward_that_cannot_be_recorded_whole_records_its_blocks(stand_in):
         exactdit.unpatch(tr)
     for out, ref in zip(outs, refs):
         assert_bits_equal(out, ref)
+
+
+def test_a_forward_that_cannot_be_recorded_whole_records_its_blocks(stand_in):
+    kind = stand_in(forward=HOST_COPY)
+    tr = _toy()
+    inputs = [_toy_inputs(s) for s in range(4)]
+    _assert_graphed_calls_equal(tr, inputs)
     # call 1 runs normally, the whole forward's recording fails; call 2 records each block; 3, 4 replay
     assert kind.captures == ["block"] * 3
     e = _entry()
@@ -265,14 +270,7 @@ def test_a_recordable_forward_is_recorded_whole(stand_in):
     kind = stand_in()
     tr = _toy()
     inputs = [_toy_inputs(s) for s in range(3)]
-    refs = _calls(tr, inputs)
-    exactdit.patch(tr, cuda_graphs=True)
-    try:
-        outs = _calls(tr, inputs)
-    finally:
-        exactdit.unpatch(tr)
-    for out, ref in zip(outs, refs):
-        assert_bits_equal(out, ref)
+    _assert_graphed_calls_equal(tr, inputs)
     assert kind.captures == ["forward"]
     assert _entry()["graphed"] == "whole forward" and _entry()["fused"] == 2
     assert _blocks()["fused"] == _blocks()["eager"] == 0

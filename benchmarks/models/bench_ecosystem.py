@@ -34,10 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.runner import (append_results, environment, first_call_s, forward_ms,  # noqa: E402
                                outputs_equal, write_json)
-
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
-                "ffn.net.0.proj", "ffn.net.2")
+from tests.ecosystem import in_blocks, lora_state_dict, write_gguf  # noqa: E402
 
 
 class Skip(Exception):
@@ -47,25 +44,6 @@ class Skip(Exception):
 def _need(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise Skip(f"{module} not installed ({extra})")
-
-
-def _in_blocks(name: str) -> bool:
-    return name.startswith(("transformer_blocks.", "single_transformer_blocks.", "blocks."))
-
-
-def lora_state_dict(tr, seed: int, rank: int) -> dict:
-    """A random LoRA of ``rank`` on every attention and MLP projection of the blocks (A and B nonzero)."""
-    device = next(tr.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)
-    sd = {}
-    for n, m in tr.named_modules():
-        n = n.removesuffix(".base_layer")  # a layer with an adapter already: peft's wrapper holds it
-        if isinstance(m, torch.nn.Linear) and ".lora_" not in n and _in_blocks(n) and n.endswith(LORA_TARGETS):
-            sd[f"{n}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g, device=device)
-                                        * m.in_features ** -0.5).to(torch.bfloat16)
-            sd[f"{n}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g, device=device)
-                                        * 0.02).to(torch.bfloat16)
-    return sd
 
 
 # --- configurations: name -> (description, apply(tr, args) -> tr) --------------------------------
@@ -108,7 +86,7 @@ def _torchao(config_name):
         import torchao.quantization as q
 
         config = getattr(q, config_name)()
-        q.quantize_(tr, config, filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and _in_blocks(n))
+        q.quantize_(tr, config, filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and in_blocks(n))
         return tr
     return apply
 
@@ -126,19 +104,7 @@ def _gguf(qtype):
         except NotImplementedError:
             raise Skip(f"the gguf package has no {qtype} quantizer (gguf-py dequantizes K-quants only)") from None
         folder = tempfile.mkdtemp(prefix="exactdit-gguf-", dir=args.tmp)
-        tr.save_config(folder)
-        path = os.path.join(folder, "transformer.gguf")
-        writer = gguf.GGUFWriter(path, arch=args.model)
-        for key, p in tr.state_dict().items():
-            a = p.float().cpu().numpy()
-            if p.ndim == 2 and _in_blocks(key) and a.shape[-1] % 256 == 0:
-                writer.add_tensor(key, gguf.quants.quantize(a, kind), raw_dtype=kind)
-            else:
-                writer.add_tensor(key, a.astype(np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        path = write_gguf(tr, folder, kind, arch=args.model)
         cls = type(tr)
         del tr
         gc.collect()

@@ -8,7 +8,6 @@ fails here. Tiny Flux and Wan in bf16; the regions run in Triton's interpreter."
 from __future__ import annotations
 
 import importlib.util
-import os
 import tempfile
 import warnings
 
@@ -19,15 +18,12 @@ import exactdit
 from exactdit.engine import coverage
 from exactdit.harness import models
 from exactdit.patches import engine
+from tests.ecosystem import in_blocks, lora_state_dict, write_gguf
 from tests.engine_helpers import engine_eager_reasons
 from tests.helpers import assert_bits_equal
 
 MODELS = ("flux", "wan")
 #: the attention and MLP projections a LoRA of Flux or Wan targets
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
-                "ffn.net.0.proj", "ffn.net.2")
-
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed (exactdit[lora])")
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao not installed (exactdit[quant])")
@@ -40,22 +36,8 @@ def _build(name: str):
     return tr, models.forward_inputs(name, tr, batch=1, height=32, width=32, seed=4, **extra)
 
 
-def _in_blocks(name: str) -> bool:
-    return name.startswith(("transformer_blocks.", "single_transformer_blocks.", "blocks."))
-
-
 def _lora_state_dict(tr, seed: int, rank: int = 4) -> dict:
-    """A random LoRA (A and B both nonzero) on every attention and MLP projection of the blocks,
-    in the format ``load_lora_adapter(..., prefix=None)`` reads."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for n, m in tr.named_modules():
-        n = n.removesuffix(".base_layer")  # a layer with an adapter already: peft's wrapper holds it
-        if isinstance(m, torch.nn.Linear) and ".lora_" not in n and _in_blocks(n) and n.endswith(LORA_TARGETS):
-            sd[f"{n}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g) * 0.1).to(torch.bfloat16)
-            sd[f"{n}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g) * 0.1).to(torch.bfloat16)
-    assert sd
-    return sd
+    return lora_state_dict(tr, seed, rank)
 
 
 def _run(tr, kw, calls: int = 2) -> tuple[torch.Tensor, list]:
@@ -193,8 +175,8 @@ def test_torchao_int8_weight_only(name):
 
     tr, kw = _build(name)
     quantize_(tr, Int8WeightOnlyConfig(),
-              filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and _in_blocks(n))
-    quantized = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and _in_blocks(n)
+              filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and in_blocks(n))
+    quantized = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and in_blocks(n)
                  and type(m.weight).__name__ != "Parameter"]
     assert quantized
     _check(tr, kw)
@@ -204,24 +186,10 @@ def _gguf_transformer(name: str, tr):
     """``tr``'s weights written to a GGUF file (the blocks' linear weights Q8_0, the rest F32) and
     loaded back through diffusers' GGUF path (``from_single_file`` + ``GGUFQuantizationConfig``)."""
     import gguf
-    import numpy as np
     from diffusers import GGUFQuantizationConfig
 
     folder = tempfile.mkdtemp(prefix="exactdit-gguf-")
-    tr.save_config(folder)
-    path = os.path.join(folder, "transformer.gguf")
-    writer = gguf.GGUFWriter(path, arch=name)
-    for key, p in tr.state_dict().items():
-        a = p.float().numpy()
-        if p.ndim == 2 and _in_blocks(key) and a.shape[-1] % 32 == 0:
-            writer.add_tensor(key, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(key, a.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf(tr, folder, gguf.GGMLQuantizationType.Q8_0, arch=name)
     return type(tr).from_single_file(path, config=folder, torch_dtype=torch.bfloat16, local_files_only=True,
                                      quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
 

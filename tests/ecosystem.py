@@ -1,0 +1,59 @@
+"""What the ecosystem tests and ``benchmarks/models/bench_ecosystem.py`` both build: a random LoRA
+on the blocks' projections and a GGUF checkpoint of a transformer's weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: the projections a LoRA targets (Flux's, Wan's and the other image/video blocks' names)
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+                "ffn.net.0.proj", "ffn.net.2")
+
+
+def in_blocks(name: str) -> bool:
+    """Whether the module or weight ``name`` lies in one of the transformer's repeated blocks."""
+    return name.startswith(("transformer_blocks.", "single_transformer_blocks.", "blocks."))
+
+
+def lora_state_dict(tr, seed: int, rank: int) -> dict:
+    """A random LoRA of ``rank`` (A and B both nonzero) on every attention and MLP projection of the
+    blocks, on the model's device, in the format ``load_lora_adapter(..., prefix=None)`` reads."""
+    device = next(tr.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    sd = {}
+    for n, m in tr.named_modules():
+        n = n.removesuffix(".base_layer")  # a layer with an adapter already: peft's wrapper holds it
+        if isinstance(m, torch.nn.Linear) and ".lora_" not in n and in_blocks(n) and n.endswith(LORA_TARGETS):
+            sd[f"{n}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g, device=device)
+                                        * m.in_features ** -0.5).to(torch.bfloat16)
+            sd[f"{n}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g, device=device)
+                                        * 0.02).to(torch.bfloat16)
+    assert sd, "no projection of the blocks to put a LoRA on"
+    return sd
+
+
+def write_gguf(tr, folder: str, kind, arch: str) -> str:
+    """``tr``'s config and weights in ``folder`` (the blocks' 2-D weights whose rows fill whole blocks
+    of the GGML type ``kind``, the rest F32), as diffusers' ``from_single_file`` reads them: the
+    checkpoint's path."""
+    import gguf
+    import numpy as np
+
+    tr.save_config(folder)
+    path = os.path.join(folder, "transformer.gguf")
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    writer = gguf.GGUFWriter(path, arch=arch)
+    for key, p in tr.state_dict().items():
+        a = p.float().cpu().numpy()
+        if p.ndim == 2 and in_blocks(key) and a.shape[-1] % block == 0:
+            writer.add_tensor(key, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(key, a.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

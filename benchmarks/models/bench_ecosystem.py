@@ -225,19 +225,12 @@ def build(args):
     return tr, kw
 
 
-def _profile(name: str, path: str, tr, kw) -> dict:
-    """One forward under torch.profiler: kernel time by kind, idle time and the heaviest kernels."""
-    from benchmarks.models.profiling import profile_once
+def _profile(tr, kw) -> dict:
+    """One forward's kernel time by kind, idle gaps, heaviest kernels, SM clock and power (printed)."""
+    from benchmarks.models.bench_engine import breakdown
     from exactdit.harness import models
 
-    with torch.no_grad():
-        p = profile_once(lambda: models.run_forward(tr, kw))
-    top = sorted(p["kernel_ms_by_name"].items(), key=lambda kv: -kv[1])[:14]
-    kinds = " ".join(f"{k} {v:.1f}" for k, v in sorted(p["kernel_ms_by_kind"].items()))
-    print(f"[{name}] {path} profile: {p['kernels']} kernels, {kinds} ms, idle {p['idle_ms']:.1f} ms", flush=True)
-    for k, v in top:
-        print(f"[{name}]   {v:8.2f} ms  {k}", flush=True)
-    return {"kernels": p["kernels"], "kernel_ms_by_kind": p["kernel_ms_by_kind"], "idle_ms": p["idle_ms"], "top": top}
+    return breakdown(lambda: models.run_forward(tr, kw))
 
 
 def run_config(name: str, args) -> dict:
@@ -258,7 +251,7 @@ def run_config(name: str, args) -> dict:
         ms, out = forward_ms(tr, kw, args.repeat)
         row.update(exactdit_ms=ms, equal=outputs_equal(out, ref), **capture_summary(tr))
         if args.profile and torch.cuda.is_available():
-            row["exactdit_profile"] = _profile(name, "exactdit", tr, kw)
+            row["exactdit_profile"] = _profile(tr, kw)
         if name == "lora-hotswap":
             graphs = dict(row["graphs"])
             tr.load_lora_adapter(lora_state_dict(tr, 2, args.rank), adapter_name="a", prefix=None, hotswap=True)
@@ -290,7 +283,7 @@ def run_config(name: str, args) -> dict:
                 row["compile_ms"], cout = forward_ms(tr, kw, args.repeat)
                 row["compile_equal"] = outputs_equal(cout, ref)
                 if args.profile and torch.cuda.is_available():
-                    row["compile_profile"] = _profile(name, "compile", tr, kw)
+                    row["compile_profile"] = _profile(tr, kw)
                 print(f"[{name}] regional compile {row['compile_ms']:.2f} ms", flush=True)
             except Exception as e:  # noqa: BLE001 - fullgraph compile may refuse hooks: a row, not a crash
                 row["compile_error"] = f"{type(e).__name__}: {_first_line(e)}"
@@ -322,7 +315,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank (hot-swap: the first adapter has half)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true",
-                    help="print one forward's kernel profile (by kind, heaviest kernels) for exactdit and compile")
+                    help="one forward's kernel profile (by kind, idle, heaviest kernels, clock, power) for exactdit and compile")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip regional torch.compile")
     ap.add_argument("--tmp", default=None, help="folder for the GGUF files (default: the system's)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")

@@ -69,6 +69,19 @@ def breakdown(forward) -> dict:
     return out
 
 
+def time_path(rows: list, path: str, tr, kw, ref, args) -> dict:
+    """One path already set up on ``tr``: its first call (wall clock), then the median forward,
+    checked against eager's output, printed, its row added (with the kernel breakdown if asked)."""
+    first = first_call_s(tr, kw)
+    ms, out = forward_ms(tr, kw, args.repeat)
+    row = dict(path=path, ms=ms, equal=outputs_equal(out, ref), first_call_s=first)
+    rows.append(row)
+    print(f"{path} {ms:.2f} ms (first call {first:.1f} s) equal={row['equal']}", flush=True)
+    if args.breakdown:
+        row.update(breakdown(lambda: tr(**kw, return_dict=False)))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -104,20 +117,14 @@ def main() -> None:
     rows.append(dict(path="eager", ms=eager_ms, equal=True))
     print(f"eager {eager_ms:.2f} ms", flush=True)
 
-    summary = exactdit.patch(tr)
-    first = first_call_s(tr, kw)
-    ms, out = forward_ms(tr, kw, args.repeat)
-    rows.append(dict(path=f"exactdit, EXACTDIT_GEMM={args.gemm}" if args.gemm else "exactdit", ms=ms,
-                     equal=outputs_equal(out, ref), first_call_s=first))
-    print(f"exactdit {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {summary}", flush=True)
-    if args.breakdown:
-        rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
+    print("patched", exactdit.patch(tr), flush=True)
+    row = time_path(rows, f"exactdit, EXACTDIT_GEMM={args.gemm}" if args.gemm else "exactdit", tr, kw, ref, args)
     lines = [line for g in coverage.graphs() for line in g.lines()]
     choices = gemm_choices()
     for c in choices:
         print(f"gemm {c['region']} {c['m']}x{c['k']}x{c['n']} {c['ops']}: {c['way']} "
               f"(fused {c['fused_us']} us, cuBLAS + epilogue {c['split_us']} us)")
-    rows[-1]["gemm_choices"] = choices
+    row["gemm_choices"] = choices
     report = exactdit.report(show=False)
     disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}
     eager_calls = {k: v["eager_reasons"] for k, v in report.items() if v["eager"]}
@@ -134,12 +141,7 @@ def main() -> None:
         os.environ.pop("EXACTDIT_GEMM", None)
         torch._dynamo.reset()
         exactdit.patch(tr)
-        first = first_call_s(tr, kw)
-        ms, out = forward_ms(tr, kw, args.repeat)
-        rows.append(dict(path="exactdit, GEMMs left to cuBLAS", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
-        print(f"exactdit, GEMMs left to cuBLAS {ms:.2f} ms equal={rows[-1]['equal']}", flush=True)
-        if args.breakdown:
-            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
+        time_path(rows, "exactdit, GEMMs left to cuBLAS", tr, kw, ref, args)
         exactdit.unpatch(tr)
         torch._dynamo.reset()
 
@@ -147,26 +149,16 @@ def main() -> None:
         from exactdit.patches import cuda_graphs
 
         exactdit.patch(tr, cuda_graphs=True)
-        first = first_call_s(tr, kw)  # runs the forward, then records it
-        ms, out = forward_ms(tr, kw, args.repeat)
+        row = time_path(rows, "exactdit + CUDA graphs", tr, kw, ref, args)  # (the first call records)
         graphs = cuda_graphs.graphed(tr).summary()
-        rows.append(dict(path="exactdit + CUDA graphs", ms=ms, equal=outputs_equal(out, ref), first_call_s=first,
-                         graph_mib=graphs["memory_bytes"] / 2**20))
-        print(f"exactdit + CUDA graphs {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']} {graphs}",
-              flush=True)
-        if args.breakdown:
-            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
+        row["graph_mib"] = graphs["memory_bytes"] / 2**20
+        print("graphs", graphs, flush=True)
         exactdit.unpatch(tr)
 
     if args.compile:
         torch._dynamo.reset()
         compile_regions(tr)
-        first = first_call_s(tr, kw)
-        ms, out = forward_ms(tr, kw, args.repeat)
-        rows.append(dict(path="regional torch.compile", ms=ms, equal=outputs_equal(out, ref), first_call_s=first))
-        print(f"compile {ms:.2f} ms (first call {first:.1f} s) equal={rows[-1]['equal']}", flush=True)
-        if args.breakdown:
-            rows[-1].update(breakdown(lambda: tr(**kw, return_dict=False)))
+        time_path(rows, "regional torch.compile", tr, kw, ref, args)
     for r in rows:
         r.update(model=f"{model} {shape}", ratio_to_eager=eager_ms / r["ms"], path=r["path"] + offload, **env)
     print("| path | ms | x eager | equal | first call s |\n|---|---|---|---|---|")

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from exactdit.engine.aten_ops import _kwarg, _register
 from exactdit.engine.emit import COMPLEX, FULL, ROW, Emitter, Unfusable, Val, shape_of
-from exactdit.engine.indexing import Index, Ix, broadcast_index, reshape_index
+from exactdit.engine.indexing import Index, Ix, broadcast_index, int_code, reshape_index
 from exactdit.engine.rules import CAT, VIEW, Rule, register_item_rule
 
 aten = torch.ops.aten
@@ -266,9 +266,9 @@ def _cat_emit(em: Emitter, node: fx.Node, index: Index) -> Val:
             continue
         cond_parts = []
         if lo > 0:
-            cond_parts.append(f"({i.code()} >= {lo})")
+            cond_parts.append(f"({i.code()} >= {int_code(lo, i.per_element)})")
         if hi < i.bound:
-            cond_parts.append(f"({i.code()} < {hi})")
+            cond_parts.append(f"({i.code()} < {int_code(hi, i.per_element)})")
         cond = em.code.let(" & ".join(cond_parts) or "True", "p") if cond_parts else None
         piece = (
             em.guarded(cond, kind, lambda t=t, start=start: em.value(t, _piece_index(node, index, d, start, t)),
@@ -305,9 +305,10 @@ def _slice_scatter_emit(em, node, index):
     end = min(end + shape[d] if end < 0 else end, shape[d])
     step = node.args[5] if len(node.args) > 5 else 1
     i = index[d]
-    inside = [f"({i.code()} >= {start})", f"({i.code()} < {end})"]
+    num = lambda v: int_code(v, i.per_element)  # noqa: E731
+    inside = [f"({i.code()} >= {num(start)})", f"({i.code()} < {num(end)})"]
     if step > 1:
-        inside.append(f"((({i.code()}) - {start}) % {step} == 0)")
+        inside.append(f"((({i.code()}) - {num(start)}) % {num(step)} == 0)")
     kind = FULL if i.per_element else ROW
     cond = em.code.let(" & ".join(inside), "p")
     # where the condition holds i = start + step * local, so local = i // step - start // step: a

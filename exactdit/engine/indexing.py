@@ -11,13 +11,75 @@ the generated code) with known exclusive upper bounds. Floor division and remain
 constant are simplified when the form splits into a multiple of the divisor plus a part known to
 be smaller than it -- which is what splitting and merging dims produce -- so a ``view`` and the
 ``view`` that undoes it leave the original atoms, and two indices of the same row compare equal.
+
+Integers of per-row arithmetic (row counts, divisors, cat boundaries and offsets along the rows)
+are written as kernel arguments while a kernel is generated (:func:`row_ints`), not as literals:
+they are what a new resolution changes, so its kernels keep the same source and reuse the
+compiled binaries. The structure still follows the sizes (a form that simplifies at one size may
+not at another); sources that differ are simply compiled, and equal sources compute the same
+values, because an argument holds exactly the literal it stands for.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Sequence
+import re
+from typing import Iterator, Sequence
+
+
+class RowInts:
+    """The per-row integers of one kernel being generated: value -> argument name, in order of use."""
+
+    PATTERN = re.compile(r"\brow_int\d+\b")
+
+    def __init__(self):
+        self.names: dict[int, str] = {}
+
+    def name(self, value: int) -> str:
+        name = self.names.get(value)
+        if name is None:
+            name = self.names[value] = f"row_int{len(self.names)}"
+        return name
+
+    def used_in(self, source: str) -> list[tuple[str, int]]:
+        """(name, value) of the arguments ``source`` reads, in order of first use."""
+        used = set(self.PATTERN.findall(source))
+        return [(name, value) for value, name in self.names.items() if name in used]
+
+
+_ROW_INTS: contextvars.ContextVar[RowInts | None] = contextvars.ContextVar("row_ints", default=None)
+
+
+@contextlib.contextmanager
+def row_ints() -> Iterator[RowInts]:
+    """Per-row integers written from here on become arguments of the kernel being generated."""
+    ints = RowInts()
+    token = _ROW_INTS.set(ints)
+    try:
+        yield ints
+    finally:
+        _ROW_INTS.reset(token)
+
+
+def row_ints_used(source: str) -> list[tuple[str, int]]:
+    """(name, value) of the per-row integer arguments ``source`` reads (none outside :func:`row_ints`)."""
+    ints = _ROW_INTS.get()
+    return [] if ints is None else ints.used_in(source)
+
+
+def row_int(value: int) -> str:
+    """``value`` in per-row index arithmetic: an argument's name inside :func:`row_ints` (0 and 1,
+    which decide structure rather than size, stay literal), else the literal."""
+    ints = _ROW_INTS.get()
+    return str(value) if ints is None or value < 2 else ints.name(int(value))
+
+
+def int_code(value: int, per_element: bool) -> str:
+    """``value`` in an index expression: a literal per element, :func:`row_int` per row."""
+    return str(value) if per_element else row_int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +130,10 @@ class Ix:
         return any(a.per_element for a, _ in self.terms)
 
     def code(self) -> str:
-        parts = [a.code if c == 1 else f"{a.code} * {c}" for a, c in self.terms]
+        each = self.per_element
+        parts = [a.code if c == 1 else f"{a.code} * {int_code(c, each)}" for a, c in self.terms]
         if self.const or not parts:
-            parts.append(str(self.const))
+            parts.append(int_code(self.const, each))
         return parts[0] if len(parts) == 1 else "(" + " + ".join(parts) + ")"
 
     # arithmetic --------------------------------------------------------------------------------
@@ -119,7 +182,8 @@ class Ix:
         if value <= self.const:
             return Ix(self.terms, self.const - value)
         # the constant cannot absorb it: keep the subtraction as an atom of its own
-        atom = Atom(f"({self.code()} - {value})", max(1, self.bound - value), self.per_element, (self, "-", value))
+        code = f"({self.code()} - {int_code(value, self.per_element)})"
+        atom = Atom(code, max(1, self.bound - value), self.per_element, (self, "-", value))
         return Ix.of(atom)
 
     def __mul__(self, k: int) -> "Ix":
@@ -149,7 +213,8 @@ class Ix:
         split = self._split(k)
         if split is not None:
             return split[0]
-        return Ix.of(Atom(f"({self.code()} // {k})", (self.bound - 1) // k + 1, self.per_element, (self, "//", k)))
+        code = f"({self.code()} // {int_code(k, self.per_element)})"
+        return Ix.of(Atom(code, (self.bound - 1) // k + 1, self.per_element, (self, "//", k)))
 
     def mod(self, k: int) -> "Ix":
         if k == 1:
@@ -159,7 +224,8 @@ class Ix:
         split = self._split(k)
         if split is not None:
             return split[1]
-        return Ix.of(Atom(f"({self.code()} % {k})", k, self.per_element, (self, "%", k)))
+        return Ix.of(Atom(f"({self.code()} % {int_code(k, self.per_element)})", k, self.per_element,
+                          (self, "%", k)))
 
 
 def column_values(ix: Ix, column: Atom) -> list[int] | None:

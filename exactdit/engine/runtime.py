@@ -117,10 +117,8 @@ class RegionOp:
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in layout]
         if gate.poison_outputs():
             _poison(outs)
-        tensors = (inputs, outs, self._tables(device)[0])
-        strides = ([t.stride() for t in inputs], [stride for _, stride, _ in layout])
-        for step in self._launches(device):  # (not `launch`: that is the module of compiled launches)
-            args = [tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in step.params]
+        strides = [stride for _, stride, _ in layout]
+        for step, args in self._arguments(device, inputs, outs, strides):
             step.fn[step.grid](*args, **step.kwargs)
         return tuple(outs)
 
@@ -237,7 +235,8 @@ class RegionOp:
         tensors = (views, outs, self._tables(device)[0])
         strides = (in_strides if in_strides is not None else [t.stride() for t in views], out_strides)
         for plan in self._launches(device):
-            yield plan, tuple(tensors[kind][i] if d < 0 else strides[kind][i][d] for kind, i, d in plan.params)
+            yield plan, tuple(i if kind == _INT else tensors[kind][i] if d < 0 else strides[kind][i][d]
+                              for kind, i, d in plan.params)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -275,6 +274,9 @@ class RegionOp:
             for fn, k in self.kernels():
                 params = []
                 for p in k.params:
+                    if p[0] == "int":
+                        params.append((_INT, p[2], -1))
+                        continue
                     kind = {"in": 0, "out": 1, "tab": 2, "in_stride": 0, "out_stride": 1}[p[0]]
                     i = position[k.inputs[p[1]]] if kind == 0 else p[1]
                     params.append((kind, i, p[2] if len(p) > 2 else -1))
@@ -302,6 +304,9 @@ class RegionOp:
 
 _GEMM_OPS: "weakref.WeakSet[RegionOp]" = weakref.WeakSet()
 
+#: the kind of a launch parameter that is a per-row integer (its value in place of the index)
+_INT = 3
+
 
 def gemm_choices() -> list[dict]:
     """Per fused-GEMM region and signature: the GEMM's shape, its epilogue, which way ran
@@ -320,7 +325,8 @@ def gemm_choices() -> list[dict]:
 class _Launch:
     fn: object
     grid: tuple[int, ...]
-    #: per kernel parameter: (0 inputs / 1 outputs / 2 tables, index, dim for a stride or -1)
+    #: per kernel parameter: (0 inputs / 1 outputs / 2 tables, index, dim for a stride or -1), or
+    #: (_INT, value, -1) for a per-row integer
     params: tuple[tuple[int, int, int], ...]
     kwargs: dict
 

@@ -74,3 +74,22 @@ def test_forward_index_of_t():
     index = _atoms((3, 5))
     assert forward_index(node, index) == index[::-1]
     assert rule_for(node).emit(_Reads(), node, index[::-1]) == index
+
+
+def test_per_row_integers_become_arguments_while_a_kernel_is_generated():
+    from exactdit.engine.indexing import row_int, row_ints, row_ints_used
+
+    row = Atom("rows", 96, False)
+    col = Atom("cols", 64, True)
+    assert Ix.of(row).mod(24).terms[0][0].code == "(rows % 24)"  # outside generation: literals
+    with row_ints() as ints:
+        per_row = (Ix.of(row) * 3 + 7).floordiv(12)
+        per_element = Ix.of(col) * 3 + 7
+        source = f"{per_row.code()} {per_element.code()} {row_int(96)} {row_int(1)} {row_int(7)}"
+        assert "row_int" not in per_element.code() and "7" in per_element.code()
+        assert row_int(1) == "1" and row_int(0) == "0"  # structure, not size
+        assert row_int(7) == row_int(7) != row_int(96)  # one argument per value
+        used = row_ints_used(source)
+        assert sorted(v for _, v in used) == [3, 7, 12, 96] and ints.used_in("nothing") == []
+        assert all(name in source for name, _ in used)
+    assert row_ints_used(source) == []

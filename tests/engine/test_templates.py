@@ -244,3 +244,36 @@ def test_sandwich_rms_norm(width):
         pytest.skip("misaligned rows stay with ATen")
     report = rewritten_run(build, [x, attn, gate, w])
     assert sum("mean" in d for d, _ in report.regions.values()) >= 1
+
+
+def test_a_new_resolution_reuses_the_kernels_sources():
+    """Row counts, divisors and cat boundaries along the sequence are kernel arguments: the same
+    block at another sequence length or batch generates the same sources (Triton compiles them
+    once), each run equal to the graph run as CUDA runs it. HunyuanVideo's single block: the
+    streams joined, normed per head, RoPE on the image tokens only."""
+    heads, hd = 2, 16
+
+    def single_block(batch, img, txt):
+        g = torch.Generator().manual_seed(img)
+        x = rand((batch, img + txt, heads * hd), torch.bfloat16, "cpu", g)
+        w = rand((hd,), torch.bfloat16, "cpu", g)
+        shift = rand((batch, heads * hd), torch.bfloat16, "cpu", g)
+
+        def build(b, x, w, shift):
+            h = b.op(aten.add.Tensor, x, b.op(aten.unsqueeze.default, shift, 1))
+            h = b.op(aten._to_copy.default, b.op(aten.view.default, h, [batch, img + txt, heads, hd]), dtype=torch.float32)
+            rstd = b.op(aten.rsqrt.default, b.op(aten.add.Tensor, b.op(aten.mean.dim, b.op(aten.pow.Tensor_Scalar, h, 2), [-1], True), 1e-6))
+            normed = b.op(aten.mul.Tensor, b.op(aten._to_copy.default, b.op(aten.mul.Tensor, h, rstd), dtype=torch.bfloat16), w)
+            image = b.op(aten.neg.default, b.op(aten.slice.Tensor, normed, 1, 0, img))
+            return [b.op(aten.cat.default, [image, b.op(aten.slice.Tensor, normed, 1, img, img + txt)], 1)]
+
+        kernels = []
+        rewritten_run(build, [x, w, shift], kernels=kernels)
+        assert kernels
+        return kernels
+
+    for first, other in ((single_block(1, 12, 5), single_block(1, 40, 5)),
+                         (single_block(2, 12, 7), single_block(3, 33, 9))):  # (one batch row has no batch index)
+        assert [k.source for k in other] == [k.source for k in first]
+        assert [k.params for k in other] != [k.params for k in first]  # the same code, other sizes
+        assert any("do_not_specialize" in k.source and "row_int" in k.source for k in first)

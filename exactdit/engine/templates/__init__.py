@@ -5,6 +5,7 @@ in :mod:`.outputs`."""
 
 from __future__ import annotations
 
+from exactdit.engine.indexing import row_ints
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates import outputs  # noqa: F401  (registers the reductions' output rules)
 from exactdit.engine.templates.base import GeneratedKernel, output_operands  # noqa: F401
@@ -20,6 +21,8 @@ TEMPLATES = {"pointwise": pointwise, "layer_norm": _layer_norm, "fused_rms_norm"
 
 
 def generate(region: Region, launch: Launch) -> GeneratedKernel:
-    """The kernel of one launch of ``region`` (raises :class:`Unfusable`)."""
-    return TEMPLATES[region.kind](region, launch)
+    """The kernel of one launch of ``region`` (raises :class:`Unfusable`), its per-row integers
+    (row counts, divisors, cat boundaries) as arguments: a new resolution reuses its binary."""
+    with row_ints():
+        return TEMPLATES[region.kind](region, launch)
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 from exactdit.engine.aten_ops import POINTWISE, UNARY_TABLE, rule_for
 from exactdit.engine.aten_views import forward_index, forwards_index
 from exactdit.engine.emit import Code, Emitter, Operand, is_wide, shape_of
-from exactdit.engine.indexing import Atom, Index, Ix, reshape_index
+from exactdit.engine.indexing import Atom, Index, Ix, reshape_index, row_int, row_ints_used
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.tables import CONSTEXPR_FIELDS
 
@@ -25,7 +25,8 @@ class GeneratedKernel:
     inputs: tuple[fx.Node, ...]
     #: kernel parameters in order: ("in", k) / ("out", k) / ("tab", k) pointers, then
     #: ("in_stride", k, d) / ("out_stride", k, d) integers (k indexes ``inputs`` /
-    #: the region's outputs / its tables)
+    #: the region's outputs / its tables), then ("int", name, value): the per-row integers
+    #: (:func:`~exactdit.engine.indexing.row_ints`)
     params: tuple[tuple, ...]
     constexprs: tuple[tuple[str, int], ...]
     grid: tuple[int, ...]
@@ -59,15 +60,20 @@ def _rank(node: fx.Node) -> int:
 def _param_name(p: tuple) -> str:
     if p[0] in ("in", "out", "tab"):
         return f"{p[0]}{p[1]}_ptr"
+    if p[0] == "int":
+        return p[1]
     return f"{p[0].split('_')[0]}{p[1]}_s{p[2]}"
 
 
 def _signature(region: Region, params, constexpr_names: list[str]) -> str:
     names = [_param_name(p) for p in params]
+    # per-row integers are sizes: not specialised on (16-divisibility, == 1), so one binary serves every size
+    ints = [p[1] for p in params if p[0] == "int"]
+    jit = f"@triton.jit(do_not_specialize={ints!r})" if ints else "@triton.jit"
     for k in range(len(region.tables)):
         names += [f"tab{k}_{f}: tl.constexpr" for f in CONSTEXPR_FIELDS]
     names += [f"{c}: tl.constexpr" for c in constexpr_names]
-    return "@triton.jit\ndef region_kernel(\n    " + ",\n    ".join(names) + ",\n):"
+    return jit + "\ndef region_kernel(\n    " + ",\n    ".join(names) + ",\n):"
 
 
 def _table_preamble(region: Region, code: Code) -> dict[fx.Node, str]:
@@ -93,10 +99,10 @@ def _row_atoms(code: Code, rows: str, shape: tuple[int, ...]) -> list[Ix]:
         if n == 1:
             continue
         outer = math.prod(lead[:d])
-        expr = rest if outer == 1 else f"{rest} % {n}"
+        expr = rest if outer == 1 else f"{rest} % {row_int(n)}"
         atoms[d] = Ix.of(Atom(code.let(expr, f"i{d}_"), n, False))
         if outer > 1:
-            rest = code.let(f"{rest} // {n}", "q")
+            rest = code.let(f"{rest} // {row_int(n)}", "q")
     return atoms
 
 
@@ -171,6 +177,7 @@ def _store_outputs(em: Emitter, region: Region, launch: Launch, index: Index, ou
 
 def _kernel(region: Region, loads: dict, code: Code, consts: dict, grid, num_warps: int) -> GeneratedKernel:
     inputs = list(loads)
-    params = _params(region, inputs)
-    source = _signature(region, params, list(consts)) + "\n" + code.text() + "\n"
+    body = code.text()
+    params = _params(region, inputs) + tuple(("int", name, value) for name, value in row_ints_used(body))
+    source = _signature(region, params, list(consts)) + "\n" + body + "\n"
     return GeneratedKernel(source, tuple(inputs), params, tuple(consts.items()), tuple(grid), num_warps)

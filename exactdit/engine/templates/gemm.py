@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import FULL, Code, Emitter, Tile, Unfusable, Val, dtype_of, shape_of
-from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code
+from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code, row_int
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.rules import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.templates.base import GeneratedKernel, _kernel, _store_outputs, _table_preamble, output_operands
@@ -195,7 +195,7 @@ def gemm(region: Region, launch: Launch) -> GeneratedKernel:
     body.line(f"    acc = gemm_k.mma(a_desc.load([om, ki * BK]), {b_tile}, acc)")
     body.line("rows = om + tl.arange(0, BM)[:, None]")
     body.line("cols = on + tl.arange(0, BN)[None, :]")
-    body.line(f"row_ok = rows < {m}")
+    body.line(f"row_ok = rows < {row_int(m)}")
     body.line(f"mask = row_ok & (cols < {n})")
     acc = "acc"
     if bias_node is not None:  # one row of BN values, added to every row of the accumulator

@@ -25,7 +25,7 @@ import torch.fx as fx
 from exactdit.aten.reduce import mean_factor, one_block_config
 from exactdit.device.rows import next_power_of_2
 from exactdit.engine.emit import Code, Emitter, Operand, Tile, Unfusable, Val, dtype_of, f32_literal, shape_of
-from exactdit.engine.indexing import Atom, Index, Ix
+from exactdit.engine.indexing import Atom, Index, Ix, row_int
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates.gemm import GEMM_TARGETS, why_not_gemm
 from exactdit.engine.templates.base import (
@@ -351,7 +351,7 @@ def _layer_norm_row_blocks(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     loop = _ThreadLoop.of(width)
     choices = ln_k.CHOICES
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
-    code.line(f"row_ok = rows < {t.n_rows}")
+    code.line(f"row_ok = rows < {row_int(t.n_rows)}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     code.line(f"eps = {_eps32(t.red, 4)}")
     for v in ("mean", "m2", "cnt"):
@@ -394,7 +394,7 @@ def _layer_norm_rows(t: "_Reduction", launch: Launch) -> GeneratedKernel:
     lanes = next_power_of_2(width // 4)
     block_r, num_warps = layer_norm_rows_launch(width)
     code.line(f"rows = tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]")
-    code.line(f"row_ok = rows < {t.n_rows}")
+    code.line(f"row_ok = rows < {row_int(t.n_rows)}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     code.line(f"eps = {_eps32(t.red, 4)}")
     index = row + (Ix.of(Atom("cols", width, True)),)
@@ -437,7 +437,7 @@ def _fused_rms_norm(region: Region, launch: Launch) -> GeneratedKernel:
     block_n = next_power_of_2(width)
     block_r, num_warps = fused_rms_launch_shape(width)
     code.line(f"rows = tl.program_id(0) * {block_r} + tl.arange(0, {block_r})[:, None]")
-    code.line(f"row_ok = rows < {t.n_rows}")
+    code.line(f"row_ok = rows < {row_int(t.n_rows)}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     code.line(f"eps = {_eps32(t.red, 3)}")
     row_shape = f"[{block_r}, 1]"
@@ -541,7 +541,7 @@ def _mean(region: Region, launch: Launch) -> GeneratedKernel:
     rows = shape.rows
     factor = mean_factor(t.n_rows, width)
     code.line(f"rows = tl.program_id(0) * {rows} + tl.arange(0, {rows})[:, None]")
-    code.line(f"row_ok = rows < {t.n_rows}")
+    code.line(f"row_ok = rows < {row_int(t.n_rows)}")
     row = tuple(_row_atoms(code, "rows", launch.shape))
     for a in ("acc", "a1", "a2", "a3"):
         code.line(f"{a} = tl.zeros([{rows}, {chunk}], tl.float32)")

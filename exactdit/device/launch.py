@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -102,7 +100,6 @@ class CompiledLaunch:
 def compile_for(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device) -> CompiledLaunch:
     """Compile ``fn`` for exactly these arguments on ``device`` without launching it. Raises
     what Triton raises for a kernel that cannot compile."""
-    wait_for_ahead(fn)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
         if hasattr(kernel, "result"):  # an asynchronous compile
@@ -164,57 +161,3 @@ def bound_arguments(fn, args: tuple, kwargs: dict) -> list:
         else:
             raise TypeError(f"{fn.fn.__name__}: no value for parameter {p.name}")
     return values
-
-
-# --- compiling ahead ------------------------------------------------------------------------------
-# A model's first call compiled one kernel after another as its regions ran (HunyuanVideo 544x960x17:
-# 51 of 56 s in Triton's compiler, 25 kernels). Triton's compiler spends most of its time outside the
-# GIL (MLIR passes, ptxas), so kernels known before they run are compiled by a few threads at once;
-# the region's first call waits for its own kernels, then finds them in Triton's cache. Off by default
-# until measured on a GPU (EXACTDIT_COMPILE_AHEAD=1 turns it on): the threads run Triton's whole
-# JITFunction.run, whose thread safety only CPU tests and ahead-of-time compiles have exercised.
-
-#: futures of the compiles started ahead, per kernel
-_AHEAD: dict = {}
-_POOL: list = []
-
-
-def ahead_enabled(device: torch.device) -> bool:
-    """Whether kernels for ``device`` are compiled ahead (``EXACTDIT_COMPILE_AHEAD=1``)."""
-    return supported(device) and os.environ.get("EXACTDIT_COMPILE_AHEAD", "0") == "1"
-
-
-class StandIn:
-    """What Triton's specialisation reads of a tensor argument: its dtype and its address modulo
-    16 (a tensor allocated by the caching allocator starts aligned; a view may not)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.dtype, self.shape = t.dtype, [1]
-        self._offset = (t.storage_offset() * t.element_size()) % 16
-
-    def data_ptr(self) -> int:
-        return self._offset
-
-
-def compile_ahead(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device) -> Future:
-    """Start compiling ``fn`` for arguments like ``args`` (tensors may be :class:`StandIn`) in a
-    background thread; :func:`compile_for` waits for it. A compile that fails or specialised
-    otherwise than the real call costs time only: the real call compiles as before."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="exactdit-compile"))
-
-    def work():
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            fn.run(*args, grid=grid, warmup=True, **kwargs)
-
-    future = _POOL[0].submit(work)
-    _AHEAD.setdefault(fn, []).append(future)
-    return future
-
-
-def wait_for_ahead(fn=None) -> None:
-    """Wait for the compiles of ``fn`` (None: of every kernel) started ahead; their errors are the
-    real compile's to raise."""
-    for f in list(_AHEAD) if fn is None else [fn]:
-        for future in _AHEAD.pop(f, ()):
-            future.exception()

@@ -203,32 +203,6 @@ class RegionOp:
         exec(compile("\n".join(lines), f"<exactdit launch plan {self.region.name}>", "exec"), scope)  # noqa: S102
         return scope["fast"]
 
-    def compile_ahead(self) -> int:
-        """Start compiling this region's kernels in the background (:func:`launch.compile_ahead`)
-        for the layout its captured graph shows (the fake values' dtypes, strides and storage
-        offsets); its first call's launch plan then finds them compiled. Returns how many were
-        started: none off CUDA, for GEMM regions (compiled when timed) or symbolic sizes."""
-        ins = [n.meta.get("val") for n in self.region.inputs]
-        outs = [n.meta.get("val") for n in self.region.outputs]
-        if self.region.kind == "gemm" or not all(isinstance(t, torch.Tensor) for t in ins + outs):
-            return 0
-        device = gate.args_device(ins)
-        if not launch.ahead_enabled(device):
-            return 0
-        try:
-            views = [torch.view_as_real(t) if c else t for t, c in zip(ins, self._complex_inputs or [False] * len(ins))]
-            if not all(type(x) is int for t in views + outs for x in t.stride()):
-                return 0
-            stand = [launch.StandIn(t) for t in views]
-            started = 0
-            for plan, args in self._arguments(device, stand, [launch.StandIn(t) for t in outs],
-                                              [t.stride() for t in outs], [t.stride() for t in views]):
-                launch.compile_ahead(plan.fn, plan.grid, args, plan.kwargs, device)
-                started += 1
-            return started
-        except Exception:  # noqa: BLE001 - a guess that cannot be made: the first call compiles
-            return 0
-
     def _arguments(self, device, views, outs, out_strides, in_strides=None):
         """Each launch with its arguments: the kernel's tensors from ``views`` (the inputs, complex
         ones as real views), ``outs`` and the tables, and the strides of inputs and outputs."""

@@ -87,7 +87,6 @@ class _CudaGraphs:
     def capture(self, pool, alloc, run, what: str):
         """``alloc()`` then ``run(alloc's result)`` recorded into a graph of ``pool``: (graph,
         alloc's result, run's result). ``what``: "forward" or "block"."""
-        launch.wait_for_ahead()  # no compile thread touches the device while a graph is recorded
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool.id):
             made = alloc()

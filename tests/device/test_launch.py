@@ -69,36 +69,3 @@ def test_bound_arguments_follow_the_declaration_order_with_defaults():
 def test_cpu_tensors_are_never_launched_directly():
     assert not launch.supported(torch.device("cpu"))
     assert not launch.hooks_installed()  # Triton's empty hook chains are no hook
-
-
-def test_a_compile_started_ahead_runs_in_a_thread_and_compile_for_waits_for_it():
-    import threading
-
-    done, go = [], threading.Event()
-
-    class Kernel:  # stands for a JITFunction: run(..., warmup=True) compiles
-        def run(self, *args, grid, warmup, **kwargs):
-            go.wait(10)
-            done.append((threading.current_thread().name, args, grid, warmup, kwargs))
-
-    fn = Kernel()
-    x = torch.empty(9, dtype=torch.bfloat16)
-    stand = launch.StandIn(x[1:])
-    assert (stand.dtype, stand.data_ptr() % 16) == (torch.bfloat16, 2)  # a view 2 bytes off its storage
-    launch.compile_ahead(fn, (4,), (stand, 7), {"BLOCK": 16}, torch.device("cpu"))
-    assert not done  # still compiling
-    go.set()
-    launch.wait_for_ahead(fn)
-    assert len(done) == 1 and done[0][0].startswith("exactdit-compile") and done[0][1:] == ((stand, 7), (4,), True, {"BLOCK": 16})
-    launch.wait_for_ahead(fn)  # nothing left to wait for
-
-
-def test_a_compile_ahead_that_fails_leaves_the_error_to_the_real_compile():
-    class Broken:
-        def run(self, *args, grid, warmup, **kwargs):
-            raise RuntimeError("cannot compile")
-
-    fn = Broken()
-    launch.compile_ahead(fn, (1,), (), {}, torch.device("cpu"))
-    launch.wait_for_ahead()  # swallowed here
-    assert fn not in launch._AHEAD

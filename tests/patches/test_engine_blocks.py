@@ -33,6 +33,33 @@ def test_patch_unpatch_and_report_on_a_model():
     assert any(v["fused"] for k, v in rep.items() if k.startswith("FluxTransformer2DModel"))
 
 
+def test_a_new_resolution_generates_no_new_kernel_source(monkeypatch):
+    """A patched Flux at a second resolution and a second batch size: each forward equal to the
+    unpatched one, and every kernel its new captures generate is one the first resolution generated
+    already (per-row integers are arguments), so Triton compiles nothing new."""
+    from exactdit.engine import runtime
+
+    made: list[str] = []
+    init = runtime.RegionOp.__init__
+    monkeypatch.setattr(runtime.RegionOp, "__init__",
+                        lambda op, region: (init(op, region), made.extend(k.source for k in region.kernels))[0])
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    sizes = [(1, 32, 32), (1, 48, 64), (2, 32, 48), (2, 64, 32)]
+    kws = [models.forward_inputs("flux", tr, batch=b, height=h, width=w, seed=7) for b, h, w in sizes]
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in kws]
+        exactdit.patch(tr)
+        try:
+            seen: list[set[str]] = []
+            for kw, ref in zip(kws, refs):
+                before = len(made)
+                assert_bits_equal(tr(**kw, return_dict=False)[0], ref)
+                seen.append(set(made[before:]))
+        finally:
+            exactdit.unpatch(tr)
+    assert all(seen) and seen[1] <= seen[0] and seen[3] <= seen[2]  # (one batch row has no batch index)
+
+
 FLUX_BLOCK = "FluxTransformer2DModel.FluxTransformerBlock"
 FLUX_SINGLE_BLOCK = "FluxTransformer2DModel.FluxSingleTransformerBlock"
 

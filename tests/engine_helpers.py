@@ -39,6 +39,23 @@ def _fused_rms(x, normalized, weight, eps=None):
     return rms_norm_order_model(x, weight, eps, rsqrt=interpreter_rsqrt, vectorized=True, return_rstd=True)
 
 
+def _cast_on_load(fn):
+    """CUDA's binary kernels load a 0-dim fp32 tensor that meets a bf16/fp16 tensor converted to
+    the result dtype (``fetch_and_cast``); the CPU's read a second operand unrounded."""
+
+    def binary(a, b, **kwargs):
+        tensors = [t for t in (a, b) if isinstance(t, torch.Tensor)]
+        if len(tensors) == 2 and {a.dim() == 0, b.dim() == 0} == {True, False}:
+            wide = a if a.dim() == 0 else b
+            other = b if wide is a else a
+            if wide.dtype == torch.float32 and other.dtype in (torch.bfloat16, torch.float16):
+                cast = wide.to(other.dtype)
+                a, b = (cast, b) if wide is a else (a, cast)
+        return fn(a, b, **kwargs)
+
+    return binary
+
+
 def _div(a, b):
     """CUDA divides by a Python number as a multiply by its fp32 reciprocal."""
     if isinstance(b, (int, float)) and isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -85,8 +102,10 @@ CUDA_ORDER = {
     aten.clamp_max.default: lambda x, max: _clamp(x, max=max),
     aten.clamp.default: _clamp,
     aten.addcmul.default: _addcmul,
-    aten.mul.Tensor: _mul,
-    aten.div.Tensor: _div,
+    aten.mul.Tensor: _cast_on_load(_mul),
+    aten.div.Tensor: _cast_on_load(_div),
+    aten.add.Tensor: _cast_on_load(torch.add),
+    aten.sub.Tensor: _cast_on_load(torch.sub),
     aten.mean.dim: _mean,
     aten.native_layer_norm.default: _layer_norm,
     aten._fused_rms_norm.default: _fused_rms,

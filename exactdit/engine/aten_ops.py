@@ -88,12 +88,12 @@ def _tensor_args_float(node: fx.Node) -> str | None:
     return None
 
 
-def _no_wider_operand(node: fx.Node) -> str | None:
+def _no_wider_operand(node: fx.Node, allowed=()) -> str | None:
     """Operands wider than the result (a 0-dim fp32 tensor meeting a bf16 tensor) are converted
-    by ATen through the result dtype; not reproduced."""
+    by ATen through the result dtype; reproduced only for the ``allowed`` ones."""
     out = dtype_of(node)
     for a in node.all_input_nodes:
-        if a.meta["val"].element_size() > torch.empty((), dtype=out).element_size():
+        if a not in allowed and a.meta["val"].element_size() > torch.empty((), dtype=out).element_size():
             return f"a {a.meta['val'].dtype} operand of a {out} op"
     return None
 
@@ -122,12 +122,11 @@ def _binary(op: str) -> Rule:
                 return f"operand {a!r}"
         if op == "div" and not isinstance(node.args[0], fx.Node):
             return "a number divided by a tensor"
-        return _tensor_args_float(node) or _no_wider_operand(node)
+        return _tensor_args_float(node) or _no_wider_operand(node, _cast_on_load(node))
 
     def emit(em: Emitter, node: fx.Node, index: Index) -> Val:
         out = dtype_of(node)
-        a = em.operand(node, node.args[0], index)
-        b = em.operand(node, node.args[1], index)
+        a, b = (_loaded_as(em, node, arg, index) for arg in node.args[:2])
         if out == COMPLEX:
             return _complex_mul(em, a, b)
         if op == "div" and not isinstance(b, Val):
@@ -138,10 +137,33 @@ def _binary(op: str) -> Rule:
     # CUDA divides by a scalar as a multiply by its reciprocal, the CPU divides; CUDA's complex
     # multiply is contracted into FMAs, the CPU's is not
     if op == "div":
-        cuda_only = lambda node: not isinstance(node.args[1], fx.Node)  # noqa: E731
+        cuda_only = lambda node: not isinstance(node.args[1], fx.Node) or bool(_cast_on_load(node))  # noqa: E731
     else:
-        cuda_only = lambda node: dtype_of(node) == COMPLEX  # noqa: E731
+        cuda_only = lambda node: dtype_of(node) == COMPLEX or bool(_cast_on_load(node))  # noqa: E731
     return Rule(POINTWISE, emit, check, cuda_only)
+
+
+def _cast_on_load(node: fx.Node) -> set[fx.Node]:
+    """Operands of a binary op that ATen's CUDA kernel converts to the result dtype as it loads them:
+    0-dim float tensors on the op's device wider than a result they did not promote (a LoRA
+    hot-swap's fp32 scale times a bf16 activation: ``fetch_and_cast`` rounds the scale to bf16, then
+    the op runs as between two bf16 tensors). A 0-dim CPU tensor is a scalar there, read unrounded:
+    not one of these. ATen's CPU kernels read a second operand unrounded too (cuda_only)."""
+    out = node.meta["val"]
+    if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.dtype not in (torch.bfloat16, torch.float16):
+        return set()
+    found = set()
+    for a in node.args[:2]:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.float32 and val.device == out.device:
+            found.add(a)
+    return found
+
+
+def _loaded_as(em: Emitter, node: fx.Node, arg, index: Index):
+    """An operand of a binary ``node`` as its kernel loads it (:func:`_cast_on_load`)."""
+    v = em.operand(node, arg, index)
+    return em.rounded(v.name, dtype_of(node), v.kind) if arg in _cast_on_load(node) else v
 
 
 def _complex_mul_check(node) -> str | None:

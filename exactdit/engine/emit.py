@@ -237,7 +237,7 @@ class Emitter:
         move, :meth:`_lane_move`) or whole rows (any column: ``tl.gather``)."""
         tile = self.tile
         column = tile.domain[-1]
-        if index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
+        if not index or index[-1] == column or not index[-1].per_element or dtype_of(node) == COMPLEX:
             return None
         # the other dims may be the tile's rows in another order (a RoPE on a transposed view of
         # the domain): what matters is that they name the lane's own row, whatever its column

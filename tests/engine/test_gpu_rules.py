@@ -105,3 +105,20 @@ def test_region_outputs_have_eagers_strides_over_size_one_dims_cuda(name, layout
     if meta == "fake":
         FakeTensorProp(gm).propagate(*inputs)
     rewrite_and_check_against_eager(gm, inputs, f"size-1 strides {name} {layout} {meta}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("op", ["mul", "mul first", "div", "add", "sub"])
+@pytest.mark.parametrize("scale", [1.0 / 3.0, 2.0, -0.0, float("inf"), 1e-40, 3.4e38], ids=str)
+def test_a_0_dim_fp32_tensor_meeting_a_half_tensor_equals_eager_cuda(op, dtype, scale):
+    """A LoRA hot-swap's scale (a 0-dim fp32 CUDA tensor) in a half-precision op, then the residual
+    add: the engine rounds it to the op's dtype as CUDA's kernel loads it. Special scales: a
+    subnormal, one past the dtype's range, inf, -0."""
+    g = torch.Generator().manual_seed(len(op) + int(dtype == torch.float16))
+    x, base = with_special_values(rand((3, 33, 130), dtype, "cuda", g)), rand((3, 33, 130), dtype, "cuda", g)
+    s = torch.tensor(scale, device="cuda")
+    target = getattr(aten, op.split()[0]).Tensor
+    b = GraphBuilder()
+    xi, bi, si = (b.input(t) for t in (x, base, s))
+    lora = b.op(target, si, xi) if op == "mul first" else b.op(target, xi, si)
+    rewrite_and_check_against_eager(b.module(b.op(aten.add.Tensor, bi, lora)), [x, base, s], f"0-dim {op} {scale} {dtype}")

@@ -53,6 +53,26 @@ def test_clamps_at_a_zero_order_minus_zero_below_plus_zero(bounds, dtype):
     rewritten_run(build, [x, u])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("op", ["mul", "mul first", "div", "add", "sub"])
+def test_a_0_dim_fp32_tensor_is_rounded_to_the_result_dtype_as_cuda_loads_it(op, dtype):
+    """A LoRA hot-swap's scale: a 0-dim fp32 tensor times a half-precision activation, then the
+    residual add. CUDA's kernel rounds the scale to the activation's dtype as it loads it; 1/3 is
+    not a bf16 or fp16 number, so a kernel that used it unrounded would differ. One region, no op
+    left to ATen."""
+    g = torch.Generator().manual_seed(5)
+    x, base = rand((2, 7, 96), dtype, "cpu", g), rand((2, 7, 96), dtype, "cpu", g)
+    scale = torch.tensor(1.0 / 3.0)
+    target = getattr(aten, op.split()[0]).Tensor
+
+    def build(b, x, base, scale):
+        lora = b.op(target, scale, x) if op == "mul first" else b.op(target, x, scale)
+        return [b.op(aten.add.Tensor, base, lora)]
+
+    report = rewritten_run(build, [x, base, scale])
+    assert len(report.regions) == 1 and not report.left, (report.regions, report.left, report.why_left)
+
+
 def test_permuted_and_strided_inputs():
     g = torch.Generator().manual_seed(3)
     x = rand((9, 2, 64), torch.bfloat16, "cpu", g).permute(1, 0, 2)  # [S, B, D] seen as [B, S, D]

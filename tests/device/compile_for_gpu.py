@@ -124,6 +124,8 @@ def region_launches(name: str, gm):
                     sig[arg] = "*" + _DTYPES[torch.float32 if dt == torch.complex64 else dt]
                 elif p[0] == "tab":
                     sig[arg] = "*i16"
+                elif p[0] == "int":  # a per-row integer: not specialised (do_not_specialize)
+                    sig[arg] = "i32"
                 else:
                     node_ = k.inputs[p[1]] if p[0] == "in_stride" else region.outputs[p[1]]
                     v = node_.meta["val"]

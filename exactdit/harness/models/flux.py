@@ -91,12 +91,6 @@ def _packed_latents(req: ForwardRequest, gen) -> tuple[torch.Tensor, torch.Tenso
     return latents, img_ids
 
 
-def _timestep(req: ForwardRequest) -> torch.Tensor:
-    # the pipeline: t.expand(B).to(latents.dtype), then / 1000 in that dtype
-    t = torch.full((req.batch,), 1000.0 * req.sigma, dtype=torch.float32, device=req.device)
-    return t.to(req.dtype) / 1000
-
-
 def flux_forward_inputs(req: ForwardRequest) -> dict:
     """T5 features [B, max_text_len, 4096] (every prompt padded to max_sequence_length, no mask), CLIP
     pooled [B, 768], txt_ids zeros [T, 3], img_ids [(H/16)*(W/16), 3], guidance float32 when the model
@@ -106,14 +100,10 @@ def flux_forward_inputs(req: ForwardRequest) -> dict:
     latents, img_ids = _packed_latents(req, gen)
     text = req.randn(gen, req.batch, req.max_text_len, cfg.joint_attention_dim)
     pooled = req.randn(gen, req.batch, cfg.pooled_projection_dim)
-    guidance = None
-    if cfg.guidance_embeds:
-        scale = req.spec.production.guidance_scale
-        guidance = torch.full([1], scale, device=req.device, dtype=torch.float32).expand(req.batch)
     return dict(
         hidden_states=latents,
-        timestep=_timestep(req),
-        guidance=guidance,
+        timestep=req.timestep(),
+        guidance=req.guidance(req.spec.production.guidance_scale) if cfg.guidance_embeds else None,
         pooled_projections=pooled,
         encoder_hidden_states=text,
         txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
@@ -139,7 +129,7 @@ def chroma_forward_inputs(req: ForwardRequest) -> dict:
                                                   dtype=req.dtype, attention_mask=text_mask)
     return dict(
         hidden_states=latents,
-        timestep=_timestep(req),
+        timestep=req.timestep(),
         encoder_hidden_states=text,
         txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
         img_ids=img_ids,

@@ -38,8 +38,8 @@ def build_components(req: ComponentRequest) -> dict:
         tokenizer=tokenizer,
         text_encoder=C.qwen25vl_text_encoder(req.config["joint_attention_dim"], tokenizer,
                                              seed=req.seed + C.SEED_TEXT, dtype=req.dtype, device=req.device),
-        vae=C.autoencoder_kl_qwenimage(req.config["out_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                                       device=req.device),
+        vae=C.wan_style_vae("AutoencoderKLQwenImage", req.config["out_channels"], seed=req.seed + C.SEED_VAE,
+                            dtype=req.dtype, device=req.device),
         scheduler=C.flow_match_scheduler(use_dynamic_shifting=True),
     )
 
@@ -65,15 +65,10 @@ def forward_inputs(req: ForwardRequest) -> dict:
         for i, n in enumerate(lens):
             mask[i, :n] = 1
         text = text * mask.unsqueeze(-1).to(text.dtype)
-    guidance = None
-    if cfg.guidance_embeds:
-        guidance = torch.full([1], req.spec.production.guidance_scale or 1.0, device=req.device,
-                              dtype=torch.float32).expand(req.batch)
-    t = torch.full((req.batch,), 1000.0 * req.sigma, dtype=torch.float32, device=req.device)
     return dict(
         hidden_states=latents,
-        timestep=t.to(req.dtype) / 1000,
-        guidance=guidance,
+        timestep=req.timestep(),
+        guidance=req.guidance(req.spec.production.guidance_scale or 1.0) if cfg.guidance_embeds else None,
         encoder_hidden_states_mask=mask,
         encoder_hidden_states=text,
         img_shapes=[[(1, req.height // 16, req.width // 16)]] * req.batch,

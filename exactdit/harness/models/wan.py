@@ -46,8 +46,8 @@ def _components(req: ComponentRequest, flow_shift: float) -> dict:
         tokenizer=tokenizer,
         text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, seed=req.seed + C.SEED_TEXT,
                                   dtype=req.dtype, device=req.device),
-        vae=C.autoencoder_kl_wan(req.config["in_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                                 device=req.device),
+        vae=C.wan_style_vae("AutoencoderKLWan", req.config["in_channels"], seed=req.seed + C.SEED_VAE,
+                            dtype=req.dtype, device=req.device),
         # the released checkpoints' flow-matching UniPC solver
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           num_train_timesteps=1000, flow_shift=flow_shift),

@@ -125,7 +125,7 @@ def build_report(baseline: dict, patched: dict, repeat: dict | None = None, meta
     return rep
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
     if isinstance(v, float):
         if math.isinf(v):
             return "inf"
@@ -147,11 +147,11 @@ def report_markdown(rep: dict) -> str:
         lines += ["| what | md5 A | md5 B | equal | max_abs | PSNR (dB) | SSIM |", "|---|---|---|---|---|---|---|"]
         if "latents" in cmp:
             c = cmp["latents"]
-            lines.append(f"| latents | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {_fmt(c['max_abs'])} | | |")
+            lines.append(f"| latents | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {fmt(c['max_abs'])} | | |")
         for i, c in enumerate(cmp.get("images", [])):
             lines.append(
-                f"| image {i} | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {_fmt(c['max_abs'])} "
-                f"| {_fmt(c['psnr_db'])} | {_fmt(c['ssim'])} |"
+                f"| image {i} | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {fmt(c['max_abs'])} "
+                f"| {fmt(c['psnr_db'])} | {fmt(c['ssim'])} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -79,40 +79,33 @@ def versions() -> dict:
 
     from ._api import version as exactdit_version
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "diffusers": _version("diffusers"),
-        "transformers": _version("transformers"),
-        "exactdit": exactdit_version(),
-    }
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            **{dist: _version(dist) for dist in ("triton", "diffusers", "transformers")},
+            "exactdit": exactdit_version()}
 
 
 def device_info(device) -> dict:
     import torch
 
     dev = torch.device(device)
-    info: dict[str, Any] = {
-        "type": dev.type,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
+    info: dict[str, Any] = {"type": dev.type, "cpu": platform.processor() or platform.machine(),
+                            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "platform": platform.platform()}
     if dev.type == "cuda" and torch.cuda.is_available():
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        info.update(
-            name=props.name,
-            capability=f"{props.major}.{props.minor}",
-            total_memory_bytes=int(props.total_memory),
-            count=torch.cuda.device_count(),
-        )
+        props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                    total_memory_bytes=int(props.total_memory), count=torch.cuda.device_count())
     else:
         info["name"] = info["cpu"] or "cpu"
     return info
+
+
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args], capture_output=True,
+                              text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def git_commit() -> str | None:
@@ -120,54 +113,37 @@ def git_commit() -> str | None:
     env = os.environ.get("EXACTDIT_GIT_COMMIT")
     if env:
         return env
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
+    head = _git("rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
         return None
-    if out.returncode != 0:
-        return None
-    commit = out.stdout.strip()
-    try:
-        dirty = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        dirty = ""
-    return commit + ("-dirty" if dirty else "")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head.stdout.strip() + ("-dirty" if status is not None and status.stdout.strip() else "")
+
+
+def _on_cuda(device) -> bool:
+    import torch
+
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
 def reset_peak_memory(device) -> None:
-    import torch
+    if _on_cuda(device):
+        import torch
 
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device) -> int | None:
-    import torch
+    if _on_cuda(device):
+        import torch
 
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(device))
     return None
 
 
-def make_record(
-    *,
-    label: str,
-    kind: str,
-    device,
-    total_s: float,
-    steps_s: list[float],
-    stages: dict | None = None,
-    args: dict | None = None,
-    report: dict | None = None,
-    outputs: dict | None = None,
-    peak_gpu_memory_bytes: int | None = None,
-) -> dict:
+def make_record(*, label: str, kind: str, device, total_s: float, steps_s: list[float], stages: dict | None = None,
+                args: dict | None = None, report: dict | None = None, outputs: dict | None = None,
+                peak_gpu_memory_bytes: int | None = None) -> dict:
     st = {k: None for k in STAGES}
     st.update(stages or {})
     return {
@@ -185,6 +161,12 @@ def make_record(
         "exactdit_report": dict(report or {}),
         "outputs": dict(outputs or {}),
     }
+
+
+def write_record(out, label: str, **fields) -> Path:
+    """A :func:`make_record` written as ``perf_<label>.json`` into a StagedOutput; returns its final path."""
+    write_json(out.path(f"perf_{label}.json"), make_record(label=label, **fields))
+    return out.final(f"perf_{label}.json")
 
 
 # ---------------------------------------------------------------------------------------- compare

@@ -1,20 +1,6 @@
-"""Perf JSON records (one per run) and ``compare`` (Markdown table of end-to-end / per-stage deltas).
-
-Record layout (``schema: exactdit.perf/1``)::
-
-    {
-      "schema": "exactdit.perf/1", "label": "patched", "kind": "demo" | "generate",
-      "created": ISO-8601 time, "args": {...},
-      "device": {"type", "name", "capability", "count", "cpu", "torch_threads"},
-      "versions": {"python", "torch", "cuda", "triton", "diffusers", "transformers", "exactdit"},
-      "git_commit": "..." | null,
-      "timings": {"total_s", "stages": {"text_encoding_s", "denoising_s", "decoding_s"}, "steps_s": [...]},
-      "peak_gpu_memory_bytes": int | null,
-      "exactdit_report": {op: {"fused", "eager", "eager_reasons"}},
-      "outputs": {...md5s, files}
-    }
-
-Stages that do not apply to a run (the demo has no text encoder or VAE) are ``null``.
+"""Perf JSON records (one per run, schema ``exactdit.perf/1``: docs/harness.md lists the fields) and
+``compare`` (Markdown table of end-to-end / per-stage deltas). Stages that do not apply to a run (the
+demo has no text encoder or VAE) are ``null``.
 """
 
 from __future__ import annotations

@@ -279,36 +279,42 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None = None):
-    """One run of diffusers' pipeline to its final latents; returns (latents, total s, per-step s)."""
-    steps, marks = call["num_inference_steps"], []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+def timed_call(pipe, call: dict, device: torch.device, bar=None):
+    """``pipe(**call)`` without grad, the clock read in step with the device at its start, at the end of
+    each step and at its end; returns (output, start, step ends, end, the last step's latents)."""
+    marks, last = [], {}
 
-        bar = tqdm(total=steps, desc=progress, leave=False, unit="step")
-
-    def on_step(pipeline, i, t, kwargs):
+    def on_step(_pipe, i, t, kwargs):
         synchronize(device)
         marks.append(time.perf_counter())
+        last["latents"] = kwargs.get("latents")
         if bar is not None:
             bar.update(1)
         return kwargs
 
+    with torch.no_grad():
+        synchronize(device)
+        start = time.perf_counter()
+        result = pipe(**call, callback_on_step_end=on_step)
+        synchronize(device)
+    return result, start, marks, time.perf_counter(), last.get("latents")
+
+
+def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None = None):
+    """One run of diffusers' pipeline to its final latents; returns (latents, total s, per-step s)."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=call["num_inference_steps"], desc=progress, leave=False, unit="step")
     try:
-        with torch.no_grad():
-            synchronize(device)
-            start = time.perf_counter()
-            result = pipe(**call, callback_on_step_end=on_step)
-            synchronize(device)
-            total = time.perf_counter() - start
+        result, start, marks, end, _ = timed_call(pipe, call, device, bar)
     finally:
         if bar is not None:
             bar.close()
     images = pipeline_output(result)
     latents = images if isinstance(images, torch.Tensor) else torch.stack([torch.as_tensor(x) for x in images])
-    steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
-    return latents, total, steps_s
+    return latents, end - start, [b - a for a, b in zip([start] + marks[:-1], marks)]
 
 
 def pipeline_output(result):

@@ -14,7 +14,7 @@ import torch
 
 from . import _api, ab, metrics, perf
 from .demo import (HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device, seeded_generator,
-                   synchronize)
+                   synchronize, timed_call)
 from .outputs import StagedOutput, check_writable
 from .models import dtype_from_name
 
@@ -131,11 +131,9 @@ def load_pipeline(model_path: str | Path, dtype: torch.dtype, device: torch.devi
     return pipe.to(device)
 
 
-@torch.no_grad()
 def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, steps: int | None = None) -> dict:
     """One pipeline call with a fixed-seed generator; returns images, final latents and perf timings."""
-    steps = steps or opts.steps
-    marks: dict = {"text": 0.0, "text_end": None, "steps": [], "last": None, "latents": None}
+    text = {"s": 0.0, "end": None}
     orig_encode = pipe.encode_prompt
 
     def encode_prompt(*args, **kwargs):
@@ -143,44 +141,33 @@ def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, ste
         t0 = time.perf_counter()
         res = orig_encode(*args, **kwargs)
         synchronize(device)
-        t1 = time.perf_counter()
-        marks["text"] += t1 - t0
-        marks["text_end"] = t1
-        marks["last"] = t1
+        text["end"] = time.perf_counter()
+        text["s"] += text["end"] - t0
         return res
-
-    def on_step(_pipe, i, t, kwargs):
-        synchronize(device)
-        now = time.perf_counter()
-        marks["steps"].append(now - marks["last"])
-        marks["last"] = now
-        marks["latents"] = kwargs["latents"]
-        return {}
 
     pipe.__dict__["encode_prompt"] = encode_prompt
     pipe.set_progress_bar_config(desc=label, disable=not opts.progress, leave=False)
     perf.reset_peak_memory(device)
-    synchronize(device)
-    start = marks["last"] = time.perf_counter()
+    call = dict(prompt=opts.prompt, negative_prompt=opts.negative_prompt, height=opts.height, width=opts.width,
+                num_inference_steps=steps or opts.steps, guidance_scale=opts.guidance_scale,
+                generator=seeded_generator(opts.seed), use_pe=opts.use_pe,
+                callback_on_step_end_tensor_inputs=["latents"])
     try:
-        out = pipe(prompt=opts.prompt, negative_prompt=opts.negative_prompt, height=opts.height, width=opts.width,
-                   num_inference_steps=steps, guidance_scale=opts.guidance_scale, generator=seeded_generator(opts.seed),
-                   use_pe=opts.use_pe, callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents"])
-        synchronize(device)
+        out, start, marks, end, latents = timed_call(pipe, call, device)
     finally:
         pipe.__dict__.pop("encode_prompt", None)
-    end = time.perf_counter()
-    den_start = marks["text_end"] if marks["text_end"] is not None else start
+    # text encoding runs before the first step: denoising is from its end to the last step's
+    den_start = text["end"] if text["end"] is not None else start
+    last = marks[-1] if marks else den_start
     return {
         "label": label,
         "images": list(out.images),
-        "latents": marks["latents"].detach().clone() if marks["latents"] is not None else None,
+        "latents": latents.detach().clone() if latents is not None else None,
         "revised_prompts": getattr(out, "revised_prompts", None),
         "total_s": end - start,
-        "stages": {"text_encoding_s": marks["text"],
-                   "denoising_s": (marks["last"] - den_start) if marks["steps"] else 0.0,
-                   "decoding_s": end - marks["last"]},
-        "steps_s": marks["steps"],
+        "stages": {"text_encoding_s": text["s"], "denoising_s": (last - den_start) if marks else 0.0,
+                   "decoding_s": end - last},
+        "steps_s": [b - a for a, b in zip([den_start] + marks[:-1], marks)],
         "peak": perf.peak_memory(device),
     }
 

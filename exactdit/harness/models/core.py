@@ -126,10 +126,10 @@ class ModelSpec:
     pipeline_class: str
     configs: Mapping[str, Mapping[str, Any]]
     production: Production
-    #: pixels per transformer token along height and width (VAE scale factor x patch size)
-    pixel_multiple: int
     build_components: Callable[[ComponentRequest], dict]
     forward_inputs: Callable[[ForwardRequest], dict]
+    #: pixels per transformer token along height and width (VAE scale factor x patch size)
+    pixel_multiple: int = 16
     video: bool = False
     #: numbers in the configs / production settings not confirmed from a released config file
     unconfirmed: tuple[str, ...] = ()

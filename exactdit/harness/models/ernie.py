@@ -81,7 +81,6 @@ ERNIE = register(ModelSpec(
     # token (BOS) with the Mistral tokenizer (assumed, not checked against the released tokenizer).
     production=Production(height=1024, width=1024, steps=50, guidance_scale=4.0, max_text_len=1024,
                           prompt_len=128, negative_prompt_len=1, cfg_rows="uncond,cond"),
-    pixel_multiple=16,
     build_components=build_components,
     forward_inputs=forward_inputs,
     unconfirmed=("negative_prompt_len=1 (BOS of the empty negative prompt)",

@@ -8,6 +8,8 @@ guidance either distilled (Flux: a ``guidance`` input) or as two separate calls 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import components as C
@@ -91,51 +93,39 @@ def _packed_latents(req: ForwardRequest, gen) -> tuple[torch.Tensor, torch.Tenso
     return latents, img_ids
 
 
-def flux_forward_inputs(req: ForwardRequest) -> dict:
-    """T5 features [B, max_text_len, 4096] (every prompt padded to max_sequence_length, no mask), CLIP
-    pooled [B, 768], txt_ids zeros [T, 3], img_ids [(H/16)*(W/16), 3], guidance float32 when the model
-    embeds it."""
-    cfg = req.transformer.config
+def _shared_inputs(req: ForwardRequest) -> tuple[torch.Generator, dict]:
+    """Flux's and Chroma's: packed latents, T5 features [B, max_text_len, 4096] (every prompt padded to
+    max_sequence_length), txt_ids zeros [T, 3], img_ids [(H/16)*(W/16), 3]; and the generator drawn from."""
     gen = req.generator()
     latents, img_ids = _packed_latents(req, gen)
-    text = req.randn(gen, req.batch, req.max_text_len, cfg.joint_attention_dim)
-    pooled = req.randn(gen, req.batch, cfg.pooled_projection_dim)
-    return dict(
-        hidden_states=latents,
-        timestep=req.timestep(),
-        guidance=req.guidance(req.spec.production.guidance_scale) if cfg.guidance_embeds else None,
-        pooled_projections=pooled,
-        encoder_hidden_states=text,
-        txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
-        img_ids=img_ids,
-        joint_attention_kwargs={},
-    )
+    text = req.randn(gen, req.batch, req.max_text_len, req.transformer.config.joint_attention_dim)
+    return gen, dict(hidden_states=latents, timestep=req.timestep(), encoder_hidden_states=text,
+                     txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype), img_ids=img_ids,
+                     joint_attention_kwargs={})
+
+
+def flux_forward_inputs(req: ForwardRequest) -> dict:
+    """The shared inputs (no mask), CLIP pooled [B, 768], guidance float32 when the model embeds it."""
+    cfg = req.transformer.config
+    gen, kw = _shared_inputs(req)
+    return dict(kw, pooled_projections=req.randn(gen, req.batch, cfg.pooled_projection_dim),
+                guidance=req.guidance(req.spec.production.guidance_scale) if cfg.guidance_embeds else None)
 
 
 def chroma_forward_inputs(req: ForwardRequest) -> dict:
-    """As Flux without pooled / guidance inputs, plus the attention mask: the prompt's tokens and the
-    first padding token of each row, then every image token."""
+    """The shared inputs and the attention mask: the prompt's tokens and the first padding token of each
+    row, then every image token."""
     from diffusers import ChromaPipeline
 
-    cfg = req.transformer.config
-    gen = req.generator()
-    latents, img_ids = _packed_latents(req, gen)
-    text = req.randn(gen, req.batch, req.max_text_len, cfg.joint_attention_dim)
+    _, kw = _shared_inputs(req)
     real = torch.tensor([min(n, req.max_text_len) for n in req.text_lens], device=req.device)
     positions = torch.arange(req.max_text_len, device=req.device).unsqueeze(0).expand(req.batch, -1)
     text_mask = (positions <= real.unsqueeze(1)).to(dtype=req.dtype)
     # the pipeline's own helper (it does not use the pipeline instance)
-    mask = ChromaPipeline._prepare_attention_mask(None, batch_size=req.batch, sequence_length=latents.shape[1],
-                                                  dtype=req.dtype, attention_mask=text_mask)
-    return dict(
-        hidden_states=latents,
-        timestep=req.timestep(),
-        encoder_hidden_states=text,
-        txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
-        img_ids=img_ids,
-        attention_mask=mask,
-        joint_attention_kwargs={},
-    )
+    mask = ChromaPipeline._prepare_attention_mask(None, batch_size=req.batch, dtype=req.dtype,
+                                                  sequence_length=kw["hidden_states"].shape[1],
+                                                  attention_mask=text_mask)
+    return dict(kw, attention_mask=mask)
 
 
 FLUX = register(ModelSpec(
@@ -145,23 +135,19 @@ FLUX = register(ModelSpec(
     pipeline_class="FluxPipeline",
     configs=frozen(FLUX_CONFIGS),
     production=Production(height=1024, width=1024, steps=50, guidance_scale=3.5, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: flux_components(req, FLUX_DEV_SCHEDULER),
     forward_inputs=flux_forward_inputs,
     unconfirmed=("scheduler shift settings (FLUX_DEV_SCHEDULER) from memory of the released scheduler config",),
 ))
 
-FLUX_SCHNELL = register(ModelSpec(
+FLUX_SCHNELL = register(replace(
+    FLUX,
     name="flux-schnell",
     description="FLUX.1-schnell (FLUX.1 without guidance embedding; 4 steps, 256 text tokens)",
-    transformer_class="FluxTransformer2DModel",
-    pipeline_class="FluxPipeline",
     configs=frozen(SCHNELL_CONFIGS),
     production=Production(height=1024, width=1024, steps=4, guidance_scale=0.0, max_text_len=256,
                           call_kwargs=frozen(dict(max_sequence_length=256))),
-    pixel_multiple=16,
     build_components=lambda req: flux_components(req, dict(shift=1.0, use_dynamic_shifting=False)),
-    forward_inputs=flux_forward_inputs,
     unconfirmed=("scheduler: shift 1.0 without dynamic shifting",),
 ))
 
@@ -174,7 +160,6 @@ CHROMA = register(ModelSpec(
     # the Chroma1-HD demo's settings: 1024x1024, 40 steps, CFG 3.0 (two calls) with a negative prompt
     production=Production(height=1024, width=1024, steps=40, guidance_scale=3.0, max_text_len=512,
                           call_kwargs=frozen(dict(negative_prompt="low quality, blurry"))),
-    pixel_multiple=16,
     build_components=chroma_components,
     forward_inputs=chroma_forward_inputs,
     unconfirmed=("full: ChromaTransformer2DModel's class defaults taken as the Chroma1-HD config",

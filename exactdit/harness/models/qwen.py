@@ -101,7 +101,6 @@ QWEN = register(ModelSpec(
     # model card: 1328x1328 for 1:1, 50 steps, true CFG 4.0 with a one-space negative prompt (two calls)
     production=Production(height=1328, width=1328, steps=50, guidance_scale=None, max_text_len=512,
                           call_kwargs=frozen(dict(true_cfg_scale=4.0, negative_prompt=" "))),
-    pixel_multiple=16,
     build_components=build_components,
     forward_inputs=forward_inputs,
     # full (60 blocks, 24x128 heads, 3584-d text, 64 -> 16 channels, patch 2) agrees with the class

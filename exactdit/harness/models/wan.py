@@ -8,6 +8,8 @@ keeps ``_keep_in_fp32_modules`` (RoPE, time embedder, modulation tables, norms) 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import components as C
@@ -81,12 +83,6 @@ def forward_inputs(req: ForwardRequest) -> dict:
     return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, attention_kwargs=None)
 
 
-# dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)
-_UNCONFIRMED = (
-    "full: rope_max_seq_len and the diffusers-only keys are WanTransformer3DModel's class defaults",
-    "production flow_shift 5.0 (720p) / 3.0 (480p), 50 steps, guidance 5.0 as in the diffusers docs' example",
-)
-
 WAN = register(ModelSpec(
     name="wan",
     description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
@@ -94,23 +90,20 @@ WAN = register(ModelSpec(
     pipeline_class="WanPipeline",
     configs=frozen(CONFIGS_14B),
     production=Production(height=720, width=1280, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: _components(req, flow_shift=5.0),
     forward_inputs=forward_inputs,
     video=True,
-    unconfirmed=_UNCONFIRMED,
+    # dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)
+    unconfirmed=("full: rope_max_seq_len and the diffusers-only keys are WanTransformer3DModel's class defaults",
+                 "production flow_shift 5.0 (720p) / 3.0 (480p), 50 steps, guidance 5.0 as in the diffusers docs' "
+                 "example"),
 ))
 
-WAN_1_3B = register(ModelSpec(
+WAN_1_3B = register(replace(
+    WAN,
     name="wan-1.3b",
     description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
-    transformer_class="WanTransformer3DModel",
-    pipeline_class="WanPipeline",
     configs=frozen(CONFIGS_1_3B),
     production=Production(height=480, width=832, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: _components(req, flow_shift=3.0),
-    forward_inputs=forward_inputs,
-    video=True,
-    unconfirmed=_UNCONFIRMED,
 ))

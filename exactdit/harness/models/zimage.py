@@ -72,7 +72,6 @@ ZIMAGE = register(ModelSpec(
     # Turbo: 9 scheduler steps (8 transformer evaluations), no CFG
     production=Production(height=1024, width=1024, steps=9, guidance_scale=0.0, max_text_len=512,
                           cfg_rows="cond,uncond"),
-    pixel_multiple=16,
     build_components=build_components,
     forward_inputs=forward_inputs,
     # dim 3840 / 30 heads / 30 layers + 2 refiner layers and 9 steps / guidance 0.0 / 1024x1024 agree with

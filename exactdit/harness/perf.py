@@ -222,25 +222,18 @@ def schema_problem(rec) -> str | None:
     return None
 
 
-def _num(v) -> float | None:
-    return float(v) if v is not None else None
-
-
 def metrics_of(rec: dict) -> dict[str, float | None]:
     # ``rec`` passed schema_problem: every value read here is null, absent or a number
     t = rec["timings"]
     stages = t.get("stages") or {}
     steps = [float(x) for x in t.get("steps_s") or []]
-    mem = _num(rec.get("peak_gpu_memory_bytes"))
-    return {
-        "end-to-end (s)": _num(t.get("total_s")),
-        "text encoding (s)": _num(stages.get("text_encoding_s")),
-        "denoising (s)": _num(stages.get("denoising_s")),
-        "decoding (s)": _num(stages.get("decoding_s")),
-        "per step, mean (s)": statistics.fmean(steps) if steps else None,
-        "per step, median (s)": statistics.median(steps) if steps else None,
-        "peak GPU memory (MiB)": mem / 2**20 if mem is not None else None,
-    }
+    mem = rec.get("peak_gpu_memory_bytes")
+    values = {"end-to-end (s)": t.get("total_s"), "text encoding (s)": stages.get("text_encoding_s"),
+              "denoising (s)": stages.get("denoising_s"), "decoding (s)": stages.get("decoding_s"),
+              "per step, mean (s)": statistics.fmean(steps) if steps else None,
+              "per step, median (s)": statistics.median(steps) if steps else None,
+              "peak GPU memory (MiB)": mem / 2**20 if mem is not None else None}
+    return {k: float(v) if v is not None else None for k, v in values.items()}
 
 
 def _cell(v: float | None, base: float | None) -> str:
@@ -265,11 +258,6 @@ def column_names(paths: list[str | Path]) -> list[str]:
             return names
     names = [str(Path(p)) for p in paths]  # the same file more than once
     return [f"{n} [{i + 1}]" for i, n in enumerate(names)]
-
-
-def _name(rec: dict, name: str) -> str:
-    label = rec.get("label")
-    return f"{name} ({label})" if label else name
 
 
 def run_identity(rec: dict) -> dict[str, str | None]:
@@ -314,8 +302,8 @@ def compare(paths: Iterable[str | Path], force: bool = False) -> str:
         raise PerfFileError("the runs differ in " + "; ".join(diffs)
                             + ", so their timings are not comparable; pass --force to compare them anyway")
     cols = [metrics_of(r) for r in recs]
-    header = "| metric | " + " | ".join(_name(r, n) for r, n in zip(recs, names)) + " |"
-    lines = [header, "|---|" + "---|" * len(recs)]
+    header = " | ".join(f"{n} ({r['label']})" if r.get("label") else n for r, n in zip(recs, names))
+    lines = [f"| metric | {header} |", "|---|" + "---|" * len(recs)]
     for key in cols[0]:
         if all(c[key] is None for c in cols):
             continue

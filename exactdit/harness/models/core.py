@@ -29,10 +29,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dtype:
-            return k
-    return str(dtype).replace("torch.", "")
+    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
 
 
 def frozen(mapping: Mapping) -> Mapping:

@@ -236,8 +236,9 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             for i, im in enumerate(run["images"] if label != "baseline_repeat" else []):
                 im.save(out.path(f"image_{label}_{i}.png"))
                 written.append(str(out.final(f"image_{label}_{i}.png")))
-            outputs = {"image_md5": run["md5s"], "revised_prompts": run["revised_prompts"],
-                       "latents_md5": metrics.md5_tensor(run["latents"]) if run["latents"] is not None else None}
+            outputs = {"image_md5": run["md5s"],
+                       "latents_md5": metrics.md5_tensor(run["latents"]) if run["latents"] is not None else None,
+                       "revised_prompts": run["revised_prompts"]}
             if label == "patched":
                 outputs["patch_summary"] = patch_summary
             written.append(str(perf.write_record(

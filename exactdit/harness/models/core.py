@@ -114,6 +114,10 @@ class ComponentRequest:
     dtype: torch.dtype
     device: torch.device
 
+    def part(self, seed_offset: int) -> dict:
+        """``seed`` / ``dtype`` / ``device`` of one component (offset seeds: parts share no random stream)."""
+        return dict(seed=self.seed + seed_offset, dtype=self.dtype, device=self.device)
+
 
 @dataclass(frozen=True, eq=False)  # eq=False: hash by identity (the fields hold mappings)
 class ModelSpec:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -35,22 +35,16 @@ CONFIGS = {
 PRODUCTION_VAE_CHANNELS = (8, 8, 8, 8)
 
 
-def ernie_components(config: Mapping[str, Any], *, seed: int, dtype, device,
-                     vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
+def build_components(req: ComponentRequest, vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
     tokenizer = C.build_tiny_tokenizer()
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.mistral3_text_encoder(config["text_in_dim"], tokenizer, seed=seed + C.SEED_TEXT,
-                                             dtype=dtype, device=device),
+        text_encoder=C.mistral3_text_encoder(req.config["text_in_dim"], tokenizer, **req.part(C.SEED_TEXT)),
         # the transformer sees 2x2-patchified VAE latents
-        vae=C.autoencoder_kl_flux2(config["in_channels"] // 4, seed=seed + C.SEED_VAE, dtype=dtype,
-                                   device=device, block_out_channels=vae_channels),
+        vae=C.autoencoder_kl_flux2(req.config["in_channels"] // 4, block_out_channels=vae_channels,
+                                   **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(),
     )
-
-
-def build_components(req: ComponentRequest) -> dict:
-    return ernie_components(req.config, seed=req.seed, dtype=req.dtype, device=req.device)
 
 
 def forward_inputs(req: ForwardRequest) -> dict:

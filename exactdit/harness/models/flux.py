@@ -56,20 +56,17 @@ FLUX_DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, 
 
 def _t5(req: ComponentRequest, max_len: int, seed_offset: int = C.SEED_TEXT_2):
     tokenizer = C.build_word_tokenizer(model_max_length=max_len, add_eos=True)
-    encoder = C.t5_encoder(req.config["joint_attention_dim"], tokenizer, seed=req.seed + seed_offset,
-                           dtype=req.dtype, device=req.device)
+    encoder = C.t5_encoder(req.config["joint_attention_dim"], tokenizer, **req.part(seed_offset))
     return tokenizer, encoder
 
 
 def _vae(req: ComponentRequest):
-    return C.autoencoder_kl(req.config["in_channels"] // 4, seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                            device=req.device)
+    return C.autoencoder_kl(req.config["in_channels"] // 4, **req.part(C.SEED_VAE))
 
 
 def flux_components(req: ComponentRequest, scheduler: dict) -> dict:
     clip_tok = C.build_word_tokenizer(model_max_length=77, add_bos=True, add_eos=True)
-    clip = C.clip_text_encoder(req.config["pooled_projection_dim"], clip_tok, seed=req.seed + C.SEED_TEXT,
-                               dtype=req.dtype, device=req.device)
+    clip = C.clip_text_encoder(req.config["pooled_projection_dim"], clip_tok, **req.part(C.SEED_TEXT))
     t5_tok, t5 = _t5(req, 512)
     return dict(tokenizer=clip_tok, text_encoder=clip, tokenizer_2=t5_tok, text_encoder_2=t5, vae=_vae(req),
                 scheduler=C.flow_match_scheduler(**scheduler))

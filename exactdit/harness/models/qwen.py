@@ -36,10 +36,8 @@ def build_components(req: ComponentRequest) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=2048, chat=True)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.qwen25vl_text_encoder(req.config["joint_attention_dim"], tokenizer,
-                                             seed=req.seed + C.SEED_TEXT, dtype=req.dtype, device=req.device),
-        vae=C.wan_style_vae("AutoencoderKLQwenImage", req.config["out_channels"], seed=req.seed + C.SEED_VAE,
-                            dtype=req.dtype, device=req.device),
+        text_encoder=C.qwen25vl_text_encoder(req.config["joint_attention_dim"], tokenizer, **req.part(C.SEED_TEXT)),
+        vae=C.wan_style_vae("AutoencoderKLQwenImage", req.config["out_channels"], **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(use_dynamic_shifting=True),
     )
 

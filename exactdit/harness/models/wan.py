@@ -46,10 +46,8 @@ def _components(req: ComponentRequest, flow_shift: float) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=512, add_eos=True)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, seed=req.seed + C.SEED_TEXT,
-                                  dtype=req.dtype, device=req.device),
-        vae=C.wan_style_vae("AutoencoderKLWan", req.config["in_channels"], seed=req.seed + C.SEED_VAE,
-                            dtype=req.dtype, device=req.device),
+        text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, **req.part(C.SEED_TEXT)),
+        vae=C.wan_style_vae("AutoencoderKLWan", req.config["in_channels"], **req.part(C.SEED_VAE)),
         # the released checkpoints' flow-matching UniPC solver
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           num_train_timesteps=1000, flow_shift=flow_shift),

@@ -36,11 +36,9 @@ def build_components(req: ComponentRequest) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=512, chat=True, chat_template=C.QWEN3_CHAT_TEMPLATE)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.qwen3_text_encoder(req.config["cap_feat_dim"], tokenizer, seed=req.seed + C.SEED_TEXT,
-                                          dtype=req.dtype, device=req.device),
+        text_encoder=C.qwen3_text_encoder(req.config["cap_feat_dim"], tokenizer, **req.part(C.SEED_TEXT)),
         # the Flux VAE layout: 8x, 16 latent channels
-        vae=C.autoencoder_kl(req.config["in_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                             device=req.device),
+        vae=C.autoencoder_kl(req.config["in_channels"], **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(shift=3.0),
     )
 

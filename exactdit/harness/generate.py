@@ -159,17 +159,12 @@ def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, ste
     # text encoding runs before the first step: denoising is from its end to the last step's
     den_start = text["end"] if text["end"] is not None else start
     last = marks[-1] if marks else den_start
-    return {
-        "label": label,
-        "images": list(out.images),
-        "latents": latents.detach().clone() if latents is not None else None,
-        "revised_prompts": getattr(out, "revised_prompts", None),
-        "total_s": end - start,
-        "stages": {"text_encoding_s": text["s"], "denoising_s": (last - den_start) if marks else 0.0,
-                   "decoding_s": end - last},
-        "steps_s": [b - a for a, b in zip([den_start] + marks[:-1], marks)],
-        "peak": perf.peak_memory(device),
-    }
+    return {"label": label, "images": list(out.images),
+            "latents": latents.detach().clone() if latents is not None else None,
+            "revised_prompts": getattr(out, "revised_prompts", None), "total_s": end - start,
+            "stages": {"text_encoding_s": text["s"], "denoising_s": (last - den_start) if marks else 0.0,
+                       "decoding_s": end - last},
+            "steps_s": [b - a for a, b in zip([den_start] + marks[:-1], marks)], "peak": perf.peak_memory(device)}
 
 
 #: what generate writes into --out (replaced as a set by the next generate there, --ab or not)

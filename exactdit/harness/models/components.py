@@ -83,12 +83,9 @@ QWEN3_CHAT_TEMPLATE = (
 
 
 def _specials(tokenizer) -> dict:
-    return dict(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
-    )
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=bos)
 
 
 # ------------------------------------------------------------------------------------- text encoders

@@ -126,10 +126,8 @@ def chroma_forward_inputs(req: ForwardRequest) -> dict:
 
 
 FLUX = register(ModelSpec(
-    name="flux",
-    description="FLUX.1-dev (12B MMDiT, guidance-distilled; T5-XXL + CLIP-L)",
-    transformer_class="FluxTransformer2DModel",
-    pipeline_class="FluxPipeline",
+    name="flux", description="FLUX.1-dev (12B MMDiT, guidance-distilled; T5-XXL + CLIP-L)",
+    transformer_class="FluxTransformer2DModel", pipeline_class="FluxPipeline",
     configs=frozen(FLUX_CONFIGS),
     production=Production(height=1024, width=1024, steps=50, guidance_scale=3.5, max_text_len=512),
     build_components=lambda req: flux_components(req, FLUX_DEV_SCHEDULER),
@@ -139,8 +137,7 @@ FLUX = register(ModelSpec(
 
 FLUX_SCHNELL = register(replace(
     FLUX,
-    name="flux-schnell",
-    description="FLUX.1-schnell (FLUX.1 without guidance embedding; 4 steps, 256 text tokens)",
+    name="flux-schnell", description="FLUX.1-schnell (FLUX.1 without guidance embedding; 4 steps, 256 text tokens)",
     configs=frozen(SCHNELL_CONFIGS),
     production=Production(height=1024, width=1024, steps=4, guidance_scale=0.0, max_text_len=256,
                           call_kwargs=frozen(dict(max_sequence_length=256))),
@@ -149,16 +146,13 @@ FLUX_SCHNELL = register(replace(
 ))
 
 CHROMA = register(ModelSpec(
-    name="chroma",
-    description="Chroma1-HD (Flux-derived 8.9B, T5 only, real CFG, approximator modulation)",
-    transformer_class="ChromaTransformer2DModel",
-    pipeline_class="ChromaPipeline",
+    name="chroma", description="Chroma1-HD (Flux-derived 8.9B, T5 only, real CFG, approximator modulation)",
+    transformer_class="ChromaTransformer2DModel", pipeline_class="ChromaPipeline",
     configs=frozen(CHROMA_CONFIGS),
     # the Chroma1-HD demo's settings: 1024x1024, 40 steps, CFG 3.0 (two calls) with a negative prompt
     production=Production(height=1024, width=1024, steps=40, guidance_scale=3.0, max_text_len=512,
                           call_kwargs=frozen(dict(negative_prompt="low quality, blurry"))),
-    build_components=chroma_components,
-    forward_inputs=chroma_forward_inputs,
+    build_components=chroma_components, forward_inputs=chroma_forward_inputs,
     unconfirmed=("full: ChromaTransformer2DModel's class defaults taken as the Chroma1-HD config",
                  "production 40 steps / CFG 3.0 from the Chroma1-HD demo Space, not the model card",
                  "scheduler settings copied from FLUX.1-dev"),

@@ -82,10 +82,8 @@ def forward_inputs(req: ForwardRequest) -> dict:
 
 
 WAN = register(ModelSpec(
-    name="wan",
-    description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
-    transformer_class="WanTransformer3DModel",
-    pipeline_class="WanPipeline",
+    name="wan", description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
+    transformer_class="WanTransformer3DModel", pipeline_class="WanPipeline",
     configs=frozen(CONFIGS_14B),
     production=Production(height=720, width=1280, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
     build_components=lambda req: _components(req, flow_shift=5.0),
@@ -99,8 +97,7 @@ WAN = register(ModelSpec(
 
 WAN_1_3B = register(replace(
     WAN,
-    name="wan-1.3b",
-    description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
+    name="wan-1.3b", description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
     configs=frozen(CONFIGS_1_3B),
     production=Production(height=480, width=832, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
     build_components=lambda req: _components(req, flow_shift=3.0),

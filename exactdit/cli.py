@@ -129,7 +129,7 @@ def demo(**options) -> None:
     from exactdit.harness.demo import DemoOptions, run_demo
 
     with _user_errors(_api.ExactditAPIError, ValueError, OSError):
-        _, code = run_demo(DemoOptions(**options), echo=click.echo)
+        code = run_demo(DemoOptions(**options), echo=click.echo)
     sys.exit(code)
 
 
@@ -165,7 +165,7 @@ def generate(**options) -> None:
     # the folder is checked first (run_generate), the size before the load
     with _user_errors(_api.ExactditAPIError, ValueError, OSError,
                       oom=lambda: f"--height {opts.height} --width {opts.width}"):
-        _, code = run_generate(opts, echo=click.echo)
+        code = run_generate(opts, echo=click.echo)
     sys.exit(code)
 
 

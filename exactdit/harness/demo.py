@@ -139,8 +139,8 @@ def _fmt_reasons(reasons: dict) -> str:
 DEMO_FILES = ("demo_latents.png", "perf_eager.json", "perf_patched.json")
 
 
-def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
-    """Run the demo; returns (summary dict, exit code: 0 equal, 1 different)."""
+def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> int:
+    """Run the demo; returns the exit code: 0 equal, 1 different."""
     ex = _api.api()  # fail early and clearly if the patching API is unavailable
     device = resolve_device(opts.device)
     spec = models.get_spec(opts.model)
@@ -226,16 +226,13 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
         out.commit()
     preview = out.final(DEMO_FILES[0])
 
-    # a speedup means something only where the patched run used the GPU
-    on_gpu = device.type == "cuda"
-    speedup = None
-    if on_gpu:
-        speedup = eager["total_s"] / patched["total_s"] if patched["total_s"] else float("inf")
     echo("")
     echo(f"{'run':<9} {'step ms(med)':>12} {'total s':>11}   latents md5")
     for label, r in runs.items():
         echo(f"{label:<9} {statistics.median(r['steps_s']) * 1e3:>12.2f} {r['total_s']:>11.3f}   {r['md5']}")
-    if speedup is not None:
+    on_gpu = device.type == "cuda"
+    if on_gpu:  # a speedup means something only where the patched run used the GPU
+        speedup = eager["total_s"] / patched["total_s"] if patched["total_s"] else float("inf")
         echo(f"{'speedup':<9} {speedup:>12.2f}x")
     if equal:
         echo("result    EQUAL: final latents are bit-identical")
@@ -262,12 +259,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[di
     echo(f"wrote     {preview} (eager | patched | diff: the latent channels projected to RGB, "
          f"no VAE, so not a picture), {perf_paths['eager']}, {perf_paths['patched']}")
     echo(f"compare   exactdit compare {perf_paths['eager']} {perf_paths['patched']}")
-
-    summary = {"verdict": verdict, "equal": equal, "max_abs": max_abs, "speedup": speedup,
-               "md5": {k: v["md5"] for k, v in runs.items()}, "report": patched["report"],
-               "files": [str(preview), str(perf_paths["eager"]), str(perf_paths["patched"])],
-               "device": device.type, "model": opts.model, "config": config, "dtype": dtname}
-    return summary, (0 if equal else 1)
+    return 0 if equal else 1
 
 
 def seeded_generator(seed: int) -> torch.Generator:

@@ -185,8 +185,8 @@ def timing_notes(device: torch.device, warm: bool, runs: dict) -> list[str]:
     return notes
 
 
-def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
-    """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
+def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> int:
+    """Returns the exit code: 1 when ``--ab`` finds the patched images/latents different."""
     # every check of the arguments comes before the (slow) pipeline load
     index = validate_model_dir(opts.model_path)
     ex = _api.api()
@@ -257,13 +257,11 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             echo(line)
 
         code = 0
-        summary = {"files": written, "report": pr["report"], "md5": {k: r["md5s"] for k, r in runs.items()}}
         if opts.ab:
             meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
                     "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
             rep = ab.write_report(out.stage, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
             written += [str(out.final(f)) for f in rep["files"]]
-            summary["ab"] = rep
             det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
             echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
             cmp = rep["patched_vs_baseline"]
@@ -275,4 +273,4 @@ def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> 
             code = 0 if rep["verdict"] == "EQUAL" else 1
         out.commit()
         echo("wrote: " + ", ".join(written))
-        return summary, code
+        return code

@@ -14,6 +14,8 @@ import sys
 
 import click
 
+from exactdit.harness._api import version as _api_version  # imports nothing heavy
+
 CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.models CONFIG_NAMES
 #: the registered models (exactdit.harness.models); listed here so `--help` needs no model imports
 MODEL_CHOICES = ("ernie", "flux", "flux-schnell", "chroma", "qwen", "zimage", "wan", "wan-1.3b")
@@ -39,12 +41,6 @@ class GuidanceScale(click.FloatRange):
 GUIDANCE = GuidanceScale()
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
 SEED = click.IntRange(min=0, max=2**64 - 1)
-
-
-def _version() -> str:
-    from exactdit.harness._api import version
-
-    return version()
 
 
 def _fail(exc: BaseException) -> click.ClickException:
@@ -75,7 +71,7 @@ _CUDA_GRAPHS = click.option("--cuda-graphs", is_flag=True, help="Patch with exac
 
 def _print_version(ctx: click.Context, _param, value: bool) -> None:
     if value and not ctx.resilient_parsing:
-        click.echo(f"exactdit {_version()}")
+        click.echo(f"exactdit {_api_version()}")
         ctx.exit(0)
 
 
@@ -98,7 +94,7 @@ def main() -> None:
 @main.command()
 def version() -> None:
     """Print the exactdit version."""
-    click.echo(_version())
+    click.echo(_api_version())
 
 
 @main.command(short_help="Eager vs patched sampling of an embedded model: EQUAL?")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -137,15 +138,11 @@ class ModelSpec:
 
     @property
     def transformer_cls(self):
-        import diffusers
-
-        return getattr(diffusers, self.transformer_class)
+        return getattr(importlib.import_module("diffusers"), self.transformer_class)
 
     @property
     def pipeline_cls(self):
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_class)
+        return getattr(importlib.import_module("diffusers"), self.pipeline_class)
 
     def config(self, name: str) -> dict[str, Any]:
         try:
@@ -222,26 +219,24 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def fp32_rule(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
-    """Which parameter names ``from_pretrained(torch_dtype=dtype)`` keeps in float32.
+def loaded_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str, torch.Tensor], torch.dtype]:
+    """The dtype ``from_pretrained(torch_dtype=dtype)`` leaves a named parameter (or persistent buffer)
+    in: its own if not floating, float32 where the loader keeps it so, else ``dtype``.
 
     diffusers: any name with a component in ``_keep_in_fp32_modules``, whatever the dtype (the check
     in ``load_model_dict_into_meta``). transformers: ``_keep_in_fp32_modules`` for float16 only,
     ``_keep_in_fp32_modules_strict`` for float16 and bfloat16 (matched here by name component too).
     """
-    if dtype == torch.float32:
-        return lambda name: False
-    from transformers import PreTrainedModel
-
     keep: set[str] = set()
-    if isinstance(model, PreTrainedModel):
-        if dtype == torch.float16:
+    if dtype != torch.float32:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel) or dtype == torch.float16:
             keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-        if dtype in (torch.float16, torch.bfloat16):
+        if isinstance(model, PreTrainedModel) and dtype in (torch.float16, torch.bfloat16):
             keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    else:
-        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return lambda name: bool(keep & set(name.split(".")))
+    return lambda name, t: (t.dtype if not t.is_floating_point()
+                            else torch.float32 if keep & set(name.split(".")) else dtype)
 
 
 @torch.no_grad()
@@ -255,23 +250,21 @@ def materialize(model: torch.nn.Module, *, seed: int, dtype: torch.dtype, device
     are not identically zero. Drawn in float32 one parameter at a time in name order, then rounded:
     the result depends only on (config, seed, device type, dtypes)."""
     device = torch.device(device)
-    keep_fp32 = fp32_rule(model, dtype)
+    loaded = loaded_dtype(model, dtype)
     made: dict[int, torch.nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for pname, p in list(module._parameters.items()):
             if p is None:
                 continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
             if id(p) not in made:
-                dt = p.dtype if not p.is_floating_point() else (torch.float32 if keep_fp32(full) else dtype)
+                dt = loaded(f"{mod_name}.{pname}" if mod_name else pname, p)
                 made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
             module._parameters[pname] = made[id(p)]
         for bname, b in list(module._buffers.items()):
             if b is None:
                 continue
-            full = f"{mod_name}.{bname}" if mod_name else bname
-            if b.is_floating_point() and bname not in module._non_persistent_buffers_set:
-                b = b.to(torch.float32 if keep_fp32(full) else dtype)
+            if bname not in module._non_persistent_buffers_set:
+                b = b.to(loaded(f"{mod_name}.{bname}" if mod_name else bname, b))
             module._buffers[bname] = b.to(device)
     gen = torch.Generator(device=device).manual_seed(int(seed))
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -317,12 +310,8 @@ def build_transformer(name: str | ModelSpec, config: str | Mapping[str, Any] = "
 def estimate_bytes(name: str | ModelSpec, config: str | Mapping[str, Any], dtype: torch.dtype) -> int:
     """Parameter memory of a transformer config in ``dtype`` (fp32-kept modules at 4 bytes)."""
     model = on_meta(name, config, dtype)
-    keep_fp32 = fp32_rule(model, dtype)
-    total = 0
-    for pname, p in model.named_parameters():
-        dt = p.dtype if not p.is_floating_point() else (torch.float32 if keep_fp32(pname) else dtype)
-        total += p.numel() * torch.empty((), dtype=dt).element_size()
-    return total
+    loaded = loaded_dtype(model, dtype)
+    return sum(p.numel() * torch.empty((), dtype=loaded(n, p)).element_size() for n, p in model.named_parameters())
 
 
 # -------------------------------------------------------------- Pipelines and single-forward inputs

@@ -34,32 +34,23 @@ def word_vocab(words: Sequence[str]) -> dict[str, int]:
     return vocab
 
 
-def build_tiny_tokenizer():
-    """ERNIE-Image's tiny tokenizer: whitespace/punctuation word-level, no special tokens added."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab=word_vocab(TINY_WORDS), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=64)
-
-
 def build_word_tokenizer(*, model_max_length: int, add_bos: bool = False, add_eos: bool = False, chat: bool = False,
-                         chat_template: str | None = None):
+                         chat_template: str | None = None, whitespace: bool = False):
     """A word-level fast tokenizer made in code (nothing downloaded).
 
     ``add_bos`` / ``add_eos`` wrap every sequence like CLIP (``<s> .. </s>``) or T5 (``.. </s>``);
     ``chat`` adds the Qwen ``<|im_start|>`` / ``<|im_end|>`` markers as atomic special tokens and uses
-    ``<|endoftext|>`` as padding, like the Qwen tokenizers.
+    ``<|endoftext|>`` as padding, like the Qwen tokenizers. ``whitespace`` (ERNIE-Image's tiny
+    tokenizer): split at whitespace and runs of punctuation, no newline token.
     """
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = list(TINY_WORDS) + ["\n"] + (list(CHAT_TOKENS) if chat else [])
+    words = list(TINY_WORDS) + ([] if whitespace else ["\n"]) + (list(CHAT_TOKENS) if chat else [])
     vocab = word_vocab(words)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True)
+    tok.pre_tokenizer = (pre_tokenizers.Whitespace() if whitespace
+                         else pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True))
     if add_bos or add_eos:
         single = " ".join((["<s>"] if add_bos else []) + ["$A"] + (["</s>"] if add_eos else []))
         specials = ([("<s>", vocab["<s>"])] if add_bos else []) + ([("</s>", vocab["</s>"])] if add_eos else [])

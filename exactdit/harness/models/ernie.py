@@ -36,7 +36,7 @@ PRODUCTION_VAE_CHANNELS = (8, 8, 8, 8)
 
 
 def build_components(req: ComponentRequest, vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
-    tokenizer = C.build_tiny_tokenizer()
+    tokenizer = C.build_word_tokenizer(model_max_length=64, whitespace=True)
     return dict(
         tokenizer=tokenizer,
         text_encoder=C.mistral3_text_encoder(req.config["text_in_dim"], tokenizer, **req.part(C.SEED_TEXT)),

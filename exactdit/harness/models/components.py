@@ -27,13 +27,6 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 WORD_PATTERN = r"\n|\w+|[^\w\s]"
 
 
-def word_vocab(words: Sequence[str]) -> dict[str, int]:
-    vocab: dict[str, int] = {}
-    for w in words:
-        vocab.setdefault(w, len(vocab))
-    return vocab
-
-
 def build_word_tokenizer(*, model_max_length: int, add_bos: bool = False, add_eos: bool = False, chat: bool = False,
                          chat_template: str | None = None, whitespace: bool = False):
     """A word-level fast tokenizer made in code (nothing downloaded).
@@ -47,7 +40,7 @@ def build_word_tokenizer(*, model_max_length: int, add_bos: bool = False, add_eo
     from transformers import PreTrainedTokenizerFast
 
     words = list(TINY_WORDS) + ([] if whitespace else ["\n"]) + (list(CHAT_TOKENS) if chat else [])
-    vocab = word_vocab(words)
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}  # a word repeated keeps its first id
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = (pre_tokenizers.Whitespace() if whitespace
                          else pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True))

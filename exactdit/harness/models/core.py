@@ -186,25 +186,13 @@ def model_names() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Construct under ``dtype`` as the default, as from_pretrained does (buffers made in __init__
-    from default-dtype tensors come out in it)."""
-    old = torch.get_default_dtype()
-    if dtype.is_floating_point:
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Parameters are created on the meta device (no memory, no init cost) while buffers and plain
-    tensor attributes are computed for real: the same split as accelerate's init_empty_weights, which
-    from_pretrained uses. (A ``torch.device("meta")`` context would also put the RoPE tables that some
-    models compute in ``__init__`` on meta, losing their values.)"""
-    register = torch.nn.Module.register_parameter
+def constructing(dtype: torch.dtype) -> Iterator[None]:
+    """Construct as from_pretrained does: under ``dtype`` as the default (buffers made in __init__ from
+    default-dtype tensors come out in it), parameters on the meta device (no memory, no init cost) while
+    buffers and plain tensor attributes are computed for real, accelerate's init_empty_weights split.
+    (A ``torch.device("meta")`` context would also put the RoPE tables that some models compute in
+    ``__init__`` on meta, losing their values.)"""
+    old, register = torch.get_default_dtype(), torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
         register(module, name, param)
@@ -212,11 +200,14 @@ def parameters_on_meta() -> Iterator[None]:
             p = module._parameters[name]
             module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
     torch.nn.Module.register_parameter = register_on_meta
     try:
         yield
     finally:
         torch.nn.Module.register_parameter = register
+        torch.set_default_dtype(old)
 
 
 def loaded_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str, torch.Tensor], torch.dtype]:
@@ -241,7 +232,7 @@ def loaded_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str, t
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, *, seed: int, dtype: torch.dtype, device: torch.device | str) -> None:
-    """Give a model built under :func:`parameters_on_meta` real, seeded parameters on ``device``.
+    """Give a model built under :func:`constructing` real, seeded parameters on ``device``.
 
     Floating parameters and persistent floating buffers get ``dtype`` except those the loader keeps
     in float32; non-persistent buffers keep the dtype they were computed in; tied parameters stay tied.
@@ -282,7 +273,7 @@ def materialize(model: torch.nn.Module, *, seed: int, dtype: torch.dtype, device
 def build_random(factory: Callable[[], torch.nn.Module], *, seed: int, dtype: torch.dtype,
                  device: torch.device | str) -> torch.nn.Module:
     """``factory()`` (a model constructor) with seeded random weights and from_pretrained dtypes."""
-    with default_dtype(dtype), parameters_on_meta():
+    with constructing(dtype):
         model = factory()
     materialize(model, seed=seed, dtype=dtype, device=device)
     return model
@@ -296,7 +287,7 @@ def _transformer_factory(name: str | ModelSpec, config: str | Mapping[str, Any])
 
 def on_meta(name: str | ModelSpec, config: str | Mapping[str, Any], dtype: torch.dtype = torch.float32):
     """The transformer of ``name`` / ``config`` with its parameters on the meta device (nothing allocated)."""
-    with default_dtype(dtype), parameters_on_meta():
+    with constructing(dtype):
         return _transformer_factory(name, config)()
 
 

@@ -28,9 +28,6 @@ class GuidanceScale(click.FloatRange):
 
     name = "finite float >= 0"
 
-    def __init__(self):
-        super().__init__(min=0.0)
-
     def convert(self, value, param, ctx):
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
@@ -38,7 +35,7 @@ class GuidanceScale(click.FloatRange):
         return rv
 
 
-GUIDANCE = GuidanceScale()
+GUIDANCE = GuidanceScale(min=0.0)
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
 SEED = click.IntRange(min=0, max=2**64 - 1)
 

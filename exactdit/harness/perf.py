@@ -25,21 +25,13 @@ STAGES = ("text_encoding_s", "denoising_s", "decoding_s")
 
 
 def _sanitize(obj):
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
     if isinstance(obj, dict):
         return {str(k): _sanitize(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_sanitize(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if obj is None or isinstance(obj, (str, int, bool)):
-        return obj
-    return str(obj)
+    return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)  # Paths, dtypes: str
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

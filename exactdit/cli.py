@@ -8,10 +8,13 @@ User errors print one ``Error: ...`` line and exit non-zero (1 for runtime error
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
 import click
+
+from exactdit.harness._api import version as _api_version  # imports nothing heavy
 
 CONFIG_CHOICES = ("tiny", "small", "full", "diffusers_test")  # exactdit.harness.models CONFIG_NAMES
 #: the registered models (exactdit.harness.models); listed here so `--help` needs no model imports
@@ -25,9 +28,6 @@ class GuidanceScale(click.FloatRange):
 
     name = "finite float >= 0"
 
-    def __init__(self):
-        super().__init__(min=0.0)
-
     def convert(self, value, param, ctx):
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
@@ -35,25 +35,40 @@ class GuidanceScale(click.FloatRange):
         return rv
 
 
-GUIDANCE = GuidanceScale()
+GUIDANCE = GuidanceScale(min=0.0)
 # torch generators take a seed of 0 to 2**64 - 1; checked here so a bad one names --seed
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
 
-def _version() -> str:
-    from exactdit.harness._api import version
-
-    return version()
-
-
 def _fail(exc: BaseException) -> click.ClickException:
-    msg = " ".join(str(exc).split()) or type(exc).__name__
-    return click.ClickException(msg)
+    return click.ClickException(" ".join(str(exc).split()) or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _user_errors(*kinds: type[BaseException], oom=None):
+    """``kinds`` (and the harness's own errors) as one ``Error: ...`` line; with ``oom`` (a callable
+    naming the size), an allocation failure too."""
+    from exactdit.harness.demo import HarnessError, out_of_memory
+
+    try:
+        yield
+    except (HarnessError, *kinds) as exc:
+        raise _fail(exc) from None
+    except RuntimeError as exc:
+        if oom is None or not out_of_memory(exc):
+            raise
+        raise _fail(HarnessError(f"out of memory at {oom()}: use a smaller size")) from None
+
+
+# the options demo and generate share
+_DEVICE = click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+_PROGRESS = click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
+_CUDA_GRAPHS = click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
 
 
 def _print_version(ctx: click.Context, _param, value: bool) -> None:
     if value and not ctx.resilient_parsing:
-        click.echo(f"exactdit {_version()}")
+        click.echo(f"exactdit {_api_version()}")
         ctx.exit(0)
 
 
@@ -76,7 +91,7 @@ def main() -> None:
 @main.command()
 def version() -> None:
     """Print the exactdit version."""
-    click.echo(_version())
+    click.echo(_api_version())
 
 
 @main.command(short_help="Eager vs patched sampling of an embedded model: EQUAL?")
@@ -88,30 +103,26 @@ def version() -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for weights, noise and text features.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
               help="Model dtype [default: fp32 on CPU, bf16 on CUDA].")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
+@click.option("--out", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Output folder for the latent preview PNG and perf JSONs.")
-@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+@_DEVICE
 @click.option("--guidance-scale", type=GUIDANCE, default=None,
               help="Guidance scale [default: the model's production setting].")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Untimed one-step pipeline calls before each timed run (capture, kernel compilation).")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
-@click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
-def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, warmup, progress, cuda_graphs) -> None:
+@_PROGRESS
+@_CUDA_GRAPHS
+def demo(**options) -> None:
     """Eager vs patched sampling through diffusers' own pipeline of an embedded model (random weights,
     tiny offline text encoders and VAE, no downloads).
 
     Exits 1 when the final latents of the two runs are not bit-identical.
     """
     from exactdit.harness import _api
-    from exactdit.harness.demo import DemoOptions, HarnessError, run_demo
+    from exactdit.harness.demo import DemoOptions, run_demo
 
-    opts = DemoOptions(model=model, config=config, steps=steps, seed=seed, dtype=dtype, out=out_dir, device=device,
-                       guidance_scale=guidance_scale, warmup=warmup, progress=progress, cuda_graphs=cuda_graphs)
-    try:
-        _, code = run_demo(opts, echo=click.echo)
-    except (HarnessError, _api.ExactditAPIError, ValueError, OSError) as exc:
-        raise _fail(exc) from None
+    with _user_errors(_api.ExactditAPIError, ValueError, OSError):
+        code = run_demo(DemoOptions(**options), echo=click.echo)
     sys.exit(code)
 
 
@@ -128,39 +139,26 @@ def demo(model, config, steps, seed, dtype, out_dir, device, guidance_scale, war
               help="CFG scale (ERNIE-Image-Turbo: 1).")
 @click.option("--height", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/generate", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="runs/generate", show_default=True)
 @click.option("--use-pe/--no-use-pe", default=False, show_default=True,
               help="Prompt enhancement (sampled text rewriting; off for reproducibility).")
-@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+@_DEVICE
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
               help="Load dtype [default: fp32 on CPU, bf16 on CUDA].")
 @click.option("--warmup/--no-warmup", default=None,
               help="Untimed 1-step generation before each timed run [default: on for CUDA, off on CPU].")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars on steps.")
-@click.option("--cuda-graphs", is_flag=True, help="Patch with exactdit.patch(pipe, cuda_graphs=True).")
-def generate(model_path, prompt, negative_prompt, ab, seed, steps, guidance_scale, height, width, out_dir,
-             use_pe, device, dtype, warmup, progress, cuda_graphs) -> None:
+@_PROGRESS
+@_CUDA_GRAPHS
+def generate(**options) -> None:
     """Run a local ERNIE-Image pipeline patched by exactdit (optionally A/B against eager)."""
     from exactdit.harness import _api
-    from exactdit.harness.demo import HarnessError, out_of_memory
-    from exactdit.harness.generate import GenerateOptions, ModelDirError, run_generate, validate_model_dir
+    from exactdit.harness.generate import GenerateOptions, run_generate
 
-    try:
-        validate_model_dir(model_path)
-    except ModelDirError as exc:
-        raise _fail(exc) from None
-    opts = GenerateOptions(model_path=model_path, prompt=prompt, negative_prompt=negative_prompt, ab=ab,
-                           seed=seed, steps=steps, guidance_scale=guidance_scale, height=height, width=width,
-                           out=out_dir, use_pe=use_pe, device=device, dtype=dtype, warmup=warmup,
-                           progress=progress, cuda_graphs=cuda_graphs)
-    try:
-        _, code = run_generate(opts, echo=click.echo)
-    except (HarnessError, ModelDirError, _api.ExactditAPIError, ValueError, OSError) as exc:
-        raise _fail(exc) from None
-    except RuntimeError as exc:
-        if not out_of_memory(exc):
-            raise
-        raise _fail(HarnessError(f"out of memory at --height {height} --width {width}: use a smaller size")) from None
+    opts = GenerateOptions(**options)
+    # the folder is checked first (run_generate), the size before the load
+    with _user_errors(_api.ExactditAPIError, ValueError, OSError,
+                      oom=lambda: f"--height {opts.height} --width {opts.width}"):
+        code = run_generate(opts, echo=click.echo)
     sys.exit(code)
 
 
@@ -173,13 +171,10 @@ def tiny_pipeline(out_dir, seed, force) -> None:
     the `generate` command that runs it offline in seconds."""
     import shlex
 
-    from exactdit.harness.demo import HarnessError
     from exactdit.harness.tiny import TINY_SIZE, write_tiny_pipeline
 
-    try:
+    with _user_errors(OSError):
         path = write_tiny_pipeline(out_dir, seed=seed, force=force)
-    except (HarnessError, OSError) as exc:
-        raise _fail(exc) from None
     click.echo(f"wrote     {path}")
     click.echo(f"next      exactdit generate --model-path {shlex.quote(path)} --prompt 'a red cat' "
                f"--height {TINY_SIZE} --width {TINY_SIZE} --steps 4 --device cpu")
@@ -193,7 +188,7 @@ def tiny_pipeline(out_dir, seed, force) -> None:
 @click.option("--width", type=click.IntRange(min=1), default=None)
 @click.option("--frames", type=click.IntRange(min=1), default=None, help="Video models' frames.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+@_DEVICE
 def coverage_command(model, config, height, width, frames, batch, device) -> None:
     """What the engine fuses in a model: per captured block graph its regions, the ATen ops left and
     why, and the share of eager's non-GEMM / non-attention time the regions replace (every op timed
@@ -203,8 +198,9 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
     from exactdit.engine import coverage, timing
     from exactdit.patches.engine import repeated_blocks
     from exactdit.harness import models
-    from exactdit.harness.demo import (HarnessError, check_activation_memory, check_memory, latent_tokens,
-                                       out_of_memory, resolve_device, widest_linear)
+    from exactdit.harness.demo import (check_activation_memory, check_memory, latent_tokens, resolve_device,
+                                       widest_linear)
+    from exactdit.harness.perf import device_info
 
     spec = models.get_spec(model)
     if frames is not None and not spec.video:
@@ -217,7 +213,7 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
             raise click.BadParameter(f"{model} needs a multiple of {spec.pixel_multiple}, got {value}",
                                      param_hint=f"'{name}'")
     dtype = torch.bfloat16
-    try:
+    with _user_errors(ValueError, oom=lambda: f"{size}, batch {batch} on {dev.type}"):
         dev = resolve_device(device)
         config = config or ("full" if dev.type == "cuda" else "tiny")
         small = config in ("tiny", "diffusers_test")
@@ -233,20 +229,11 @@ def coverage_command(model, config, height, width, frames, batch, device) -> Non
         check_activation_memory(need, f"--height {height} --width {width}" + (f" --frames {frames}" if frames else "")
                                 + (f" --batch {batch}" if batch > 1 else ""), dev,
                                 "use a smaller --height / --width" + (" / --frames" if frames else ""))
-        from exactdit.harness.perf import device_info
-
         click.echo(f"exactdit coverage: {model} config={config} ({weights // dtype.itemsize / 1e6:.2f}M params), "
                    f"bf16, {size}, batch {batch}, {dev.type} ({device_info(dev).get('name')})")
         tr = models.build_transformer(model, config, dtype=dtype, device=dev)
         kw = models.forward_inputs(model, tr, height=height, width=width, num_frames=frames, batch=batch)
         measured = timing.measure(tr, kw, repeated_blocks(tr))
-    except (HarnessError, ValueError) as exc:
-        raise _fail(exc) from None
-    except RuntimeError as exc:
-        if not out_of_memory(exc):
-            raise
-        raise _fail(HarnessError(f"out of memory at {size}, batch {batch} on {dev.type}: use a smaller size"
-                                 )) from None
     for graph, timer, partition in measured:
         click.echo("\n".join(coverage.GraphReport.of(graph.name, timer.module, partition).lines()))
     click.echo("\n".join(timing.summary_lines([g for g, _, _ in measured])))

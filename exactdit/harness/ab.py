@@ -68,21 +68,14 @@ def side_by_side(baseline, patched, *, labels: Sequence[str] = ("baseline", "pat
 
 # ----------------------------------------------------------------------------------------- latents
 
-def _projection(channels: int) -> torch.Tensor:
-    gen = torch.Generator("cpu").manual_seed(1234)
-    return torch.randn((3, channels), generator=gen, dtype=torch.float64)
-
-
 def latent_rgb(latents: torch.Tensor, ref: torch.Tensor | None = None) -> np.ndarray:
     """First sample of [B, C, H, W] latents as HxWx3 uint8: fixed random projection C -> 3, then per-channel
     min/max normalisation computed on ``ref`` (default: the latents themselves) so two previews share a scale."""
     lat = latents.detach().cpu().double()[0]
     ref = lat if ref is None else ref.detach().cpu().double()[0]
-    proj = _projection(lat.shape[0])
-    rgb = torch.einsum("kc,chw->khw", proj, lat)
-    rref = torch.einsum("kc,chw->khw", proj, ref)
-    lo = rref.amin(dim=(1, 2), keepdim=True)
-    hi = rref.amax(dim=(1, 2), keepdim=True)
+    proj = torch.randn((3, lat.shape[0]), generator=torch.Generator("cpu").manual_seed(1234), dtype=torch.float64)
+    rgb, rref = torch.einsum("kc,chw->khw", proj, lat), torch.einsum("kc,chw->khw", proj, ref)
+    lo, hi = rref.amin(dim=(1, 2), keepdim=True), rref.amax(dim=(1, 2), keepdim=True)
     rgb = (rgb - lo) / (hi - lo).clamp_min(1e-12)
     return (rgb.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
@@ -125,13 +118,10 @@ def build_report(baseline: dict, patched: dict, repeat: dict | None = None, meta
     return rep
 
 
-def _fmt(v) -> str:
+def fmt(v) -> str:
+    """A metric for the reports: floats to 6 significant digits, inf and nan by name."""
     if isinstance(v, float):
-        if math.isinf(v):
-            return "inf"
-        if math.isnan(v):
-            return "nan"
-        return f"{v:.6g}"
+        return "inf" if math.isinf(v) else "nan" if math.isnan(v) else f"{v:.6g}"
     return str(v)
 
 
@@ -147,18 +137,15 @@ def report_markdown(rep: dict) -> str:
         lines += ["| what | md5 A | md5 B | equal | max_abs | PSNR (dB) | SSIM |", "|---|---|---|---|---|---|---|"]
         if "latents" in cmp:
             c = cmp["latents"]
-            lines.append(f"| latents | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {_fmt(c['max_abs'])} | | |")
+            lines.append(f"| latents | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {fmt(c['max_abs'])} | | |")
         for i, c in enumerate(cmp.get("images", [])):
-            lines.append(
-                f"| image {i} | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {_fmt(c['max_abs'])} "
-                f"| {_fmt(c['psnr_db'])} | {_fmt(c['ssim'])} |"
-            )
+            lines.append(f"| image {i} | `{c['md5_a']}` | `{c['md5_b']}` | {c['equal']} | {fmt(c['max_abs'])} "
+                         f"| {fmt(c['psnr_db'])} | {fmt(c['ssim'])} |")
     return "\n".join(lines) + "\n"
 
 
-def write_report(
-    out_dir: str | Path, baseline: dict, patched: dict, repeat: dict | None = None, meta: dict | None = None
-) -> dict:
+def write_report(out_dir: str | Path, baseline: dict, patched: dict, repeat: dict | None = None,
+                 meta: dict | None = None) -> dict:
     """Write ab_report.json / ab_report.md / side-by-side PNGs into ``out_dir``; returns the report dict
     (with a "files" entry listing what was written)."""
     out = Path(out_dir)

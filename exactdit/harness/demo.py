@@ -18,7 +18,7 @@ from exactdit.engine import coverage
 from . import _api, metrics, models, perf
 from .ab import latent_side_by_side
 from .models import build_pipeline, dtype_from_name, dtype_name
-from .outputs import HarnessError  # noqa: F401  (the harness's user-facing error; imported from here too)
+from .outputs import HarnessError, StagedOutput, check_writable  # HarnessError: imported from here too
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,10 +30,6 @@ def resolve_device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise HarnessError(f"unsupported device {name!r} (use auto, cpu or cuda)")
     return dev
-
-
-def default_config(device: torch.device) -> str:
-    return "small" if device.type == "cuda" else "tiny"
 
 
 def default_dtype(device: torch.device) -> str:
@@ -53,14 +49,9 @@ INTERPRETER_NOTE = (
 CPU_MAX_PARAMS = 1e9
 
 
-def interpreting() -> bool:
-    """Whether fused kernels run on CPU tensors in Triton's interpreter (what the gate decides by)."""
-    return bool(gate.INTERPRET)
-
-
 def no_gpu_note() -> str:
-    """What runs where there is no CUDA GPU, said before the runs."""
-    return INTERPRETER_NOTE if interpreting() else CPU_NOTE
+    """What runs where there is no CUDA GPU, said before the runs (the gate decides by INTERPRET)."""
+    return INTERPRETER_NOTE if gate.INTERPRET else CPU_NOTE
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -73,21 +64,19 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
+def gib(n: int | float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def check_memory(model: str, config: str, dtype: torch.dtype, device: torch.device) -> int:
     """Refuse (clearly) a config whose weights alone would not fit, instead of being killed for OOM;
     returns the bytes its transformer weights need."""
     need = models.estimate_bytes(model, config, dtype)
     have = available_bytes(device)
     if have is not None and need * 1.1 > have:
-        raise HarnessError(
-            f"--config {config} needs about {need / 2**30:.1f} GiB for its weights in {dtype_name(dtype)} but only "
-            f"{have / 2**30:.1f} GiB is free on {device.type}; use a smaller --config or a bigger device"
-        )
+        raise HarnessError(f"--config {config} needs about {gib(need)} for its weights in {dtype_name(dtype)} but "
+                           f"only {gib(have)} is free on {device.type}; use a smaller --config or a bigger device")
     return need
-
-
-def gib(n: int | float) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def check_activation_memory(need: int, what: str, device: torch.device, fix: str) -> None:
@@ -116,11 +105,9 @@ def latent_tokens(model: str, height: int, width: int, num_frames: int | None, b
 
 def widest_linear(model: str, config: str) -> int:
     """The largest in/out width of the transformer's linear layers (built on the meta device)."""
-    from .models.core import default_dtype as constructing, parameters_on_meta
+    from .models.core import on_meta
 
-    spec = models.get_spec(model)
-    with constructing(torch.float32), parameters_on_meta():
-        tr = spec.transformer_cls(**spec.config(config))
+    tr = on_meta(model, config)
     return max((max(m.in_features, m.out_features) for m in tr.modules() if isinstance(m, torch.nn.Linear)),
                default=1)
 
@@ -148,138 +135,104 @@ def _fmt_reasons(reasons: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
 
-def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
-    """Run the demo; returns (summary dict, exit code: 0 equal, 1 different)."""
+#: what the demo writes into --out (replaced as a set by the next demo there)
+DEMO_FILES = ("demo_latents.png", "perf_eager.json", "perf_patched.json")
+
+
+def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> int:
+    """Run the demo; returns the exit code: 0 equal, 1 different."""
     ex = _api.api()  # fail early and clearly if the patching API is unavailable
     device = resolve_device(opts.device)
     spec = models.get_spec(opts.model)
-    config = opts.config or default_config(device)
+    config = opts.config or ("small" if device.type == "cuda" else "tiny")
     dtname = opts.dtype or default_dtype(device)
     dtype = dtype_from_name(dtname)
     if opts.steps < 1:
         raise HarnessError("--steps must be >= 1")
     weight_bytes = check_memory(opts.model, config, dtype, device)
     n_params = weight_bytes // dtype.itemsize
-    from .outputs import StagedOutput, check_writable
-
     check_writable(opts.out)
     with StagedOutput(opts.out, DEMO_FILES) as out:
-        return _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo)
+        prod = spec.production
+        height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
+        call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
+                                           steps=opts.steps, seed=opts.seed)
+        if opts.guidance_scale is not None and "guidance_scale" in call:
+            call["guidance_scale"] = opts.guidance_scale
+        size = f"{height}x{width}" + (f"x{frames} frames" if spec.video else "")
+        echo(f"exactdit demo: {opts.model} config={config} ({n_params / 1e6:.2f}M params) through diffusers' "
+             f"{spec.pipeline_cls.__name__}, {size}, {opts.steps} steps, {dtname}, seed {opts.seed}"
+             + (f", guidance {call['guidance_scale']:g}" if "guidance_scale" in call else ""))
+        dev_info = perf.device_info(device)
+        echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
+        if device.type != "cuda":
+            echo("NOTE: " + no_gpu_note())
+            if n_params > CPU_MAX_PARAMS:
+                # it fits in memory, but would keep the CPU busy for hours: say so before the long silence
+                echo(f"WARNING: --config {config} ({n_params / 1e9:.1f}B params) is impractical on CPU: building "
+                     f"its weights takes minutes and sampling hours. Use --config tiny or small here, or a CUDA GPU.")
 
+        # the slow phases (weights, warmup) each announce themselves, so a long run is never silent
+        size_text = gib(weight_bytes) if weight_bytes >= 2**30 else f"{weight_bytes / 2**20:.1f} MiB"
+        echo(f"building weights: {size_text} in {dtname} on {device.type} ...")
+        t0 = time.perf_counter()
+        pipe = build_pipeline(opts.model, config, seed=opts.seed, dtype=dtype, device=device)
+        echo(f"built in {time.perf_counter() - t0:.1f}s")
 
-#: what the demo writes into --out (replaced as a set by the next demo there)
-DEMO_FILES = ("demo_latents.png", "perf_eager.json", "perf_patched.json")
+        runs: dict[str, dict] = {}
+        patch_summary = None
+        try:
+            for label in ("eager", "patched"):
+                if label == "patched":
+                    patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
+                if opts.warmup:
+                    echo(f"{label}: {opts.warmup} untimed warmup call{'s' if opts.warmup > 1 else ''} ...")
+                    t0 = time.perf_counter()
+                    for _ in range(opts.warmup):
+                        sample_pipeline(pipe, dict(call, num_inference_steps=1, generator=seeded_generator(opts.seed)),
+                                        device)
+                    echo(f"{label}: warmup done in {time.perf_counter() - t0:.1f}s")
+                ex.reset_report()
+                perf.reset_peak_memory(device)
+                latents, total_s, steps_s = sample_pipeline(pipe, dict(call, generator=seeded_generator(opts.seed)),
+                                                            device, progress=label if opts.progress else None)
+                runs[label] = dict(latents=latents, total_s=total_s, steps_s=steps_s, peak=perf.peak_memory(device),
+                                   report=_api.normalize_report(ex.report(show=False)) if label == "patched" else {},
+                                   md5=metrics.md5_tensor(latents))
+        finally:
+            if patch_summary is not None:
+                ex.unpatch(pipe)
 
+        eager, patched = runs["eager"], runs["patched"]
+        equal = bool(torch.equal(eager["latents"], patched["latents"]))
+        verdict = "EQUAL" if equal else "DIFFERENT"
+        max_abs = metrics.max_abs(eager["latents"], patched["latents"])
 
-def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_params, out, echo):
-    prod = spec.production
-    height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
-    call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
-                                       steps=opts.steps, seed=opts.seed)
-    if opts.guidance_scale is not None and "guidance_scale" in call:
-        call["guidance_scale"] = opts.guidance_scale
-    size = f"{height}x{width}" + (f"x{frames} frames" if spec.video else "")
-    echo(
-        f"exactdit demo: {opts.model} config={config} ({n_params / 1e6:.2f}M params) through diffusers' "
-        f"{spec.pipeline_cls.__name__}, {size}, {opts.steps} steps, {dtname}, seed {opts.seed}"
-        + (f", guidance {call['guidance_scale']:g}" if "guidance_scale" in call else "")
-    )
-    dev_info = perf.device_info(device)
-    echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
-    if device.type != "cuda":
-        echo("NOTE: " + no_gpu_note())
-        if n_params > CPU_MAX_PARAMS:
-            # it fits in memory, but would keep the CPU busy for hours: say so before the long silence
-            echo(f"WARNING: --config {config} ({n_params / 1e9:.1f}B params) is impractical on CPU: building its "
-                 f"weights takes minutes and sampling hours. Use --config tiny or small here, or a CUDA GPU.")
-
-    # the slow phases (weights, warmup) each announce themselves, so a long run is never silent
-    size_text = f"{weight_bytes / 2**30:.1f} GiB" if weight_bytes >= 2**30 else f"{weight_bytes / 2**20:.1f} MiB"
-    echo(f"building weights: {size_text} in {dtname} on {device.type} ...")
-    t0 = time.perf_counter()
-    pipe = build_pipeline(opts.model, config, seed=opts.seed, dtype=dtype, device=device)
-    echo(f"built in {time.perf_counter() - t0:.1f}s")
-
-    args = {
-        "model": opts.model, "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname,
-        "device": str(device), "guidance_scale": call.get("guidance_scale"), "warmup": opts.warmup,
-        "params": n_params, "height": height, "width": width, "num_frames": frames if spec.video else None,
-        "model_config": dict(spec.config(config)),
-    }
-
-    runs = {}
-    patch_summary = None
-    try:
-        for label in ("eager", "patched"):
+        latent_side_by_side(image_latents(pipe, eager["latents"], height, width),
+                            image_latents(pipe, patched["latents"], height, width)).save(out.path(DEMO_FILES[0]))
+        args = {"model": opts.model, "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname,
+                "device": str(device), "guidance_scale": call.get("guidance_scale"), "warmup": opts.warmup,
+                "params": n_params, "height": height, "width": width, "num_frames": frames if spec.video else None,
+                "model_config": dict(spec.config(config))}
+        perf_paths = {}
+        for label, run in runs.items():
+            outputs = {"latents_md5": run["md5"], "latents_shape": list(run["latents"].shape)}
             if label == "patched":
-                patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
-            if opts.warmup:
-                echo(f"{label}: {opts.warmup} untimed warmup call{'s' if opts.warmup > 1 else ''} ...")
-                t0 = time.perf_counter()
-                for _ in range(opts.warmup):
-                    sample_pipeline(pipe, dict(call, num_inference_steps=1, generator=_generator(opts.seed)), device)
-                echo(f"{label}: warmup done in {time.perf_counter() - t0:.1f}s")
-            ex.reset_report()
-            perf.reset_peak_memory(device)
-            latents, total_s, steps_s = sample_pipeline(pipe, dict(call, generator=_generator(opts.seed)), device,
-                                                        progress=label if opts.progress else None)
-            report = _api.normalize_report(ex.report(show=False)) if label == "patched" else {}
-            runs[label] = {
-                "result": SamplingResult(latents, total_s, steps_s),
-                "report": report,
-                "peak": perf.peak_memory(device),
-                "md5": metrics.md5_tensor(latents),
-            }
-    finally:
-        if patch_summary is not None:
-            ex.unpatch(pipe)
-
-    eager, patched = runs["eager"], runs["patched"]
-    equal = bool(torch.equal(eager["result"].latents, patched["result"].latents))
-    verdict = "EQUAL" if equal else "DIFFERENT"
-    max_abs = metrics.max_abs(eager["result"].latents, patched["result"].latents)
-
-    # files
-    latent_side_by_side(image_latents(pipe, eager["result"].latents, height, width),
-                        image_latents(pipe, patched["result"].latents, height, width)).save(out.path(DEMO_FILES[0]))
-    perf_paths = {}
-    for label, run in runs.items():
-        res = run["result"]
-        rec = perf.make_record(
-            label=label,
-            kind="demo",
-            device=device,
-            total_s=res.total_s,
-            steps_s=res.step_times_s,
-            stages={"denoising_s": res.total_s},
-            args=args,
-            report=run["report"],
-            outputs={"latents_md5": run["md5"], "latents_shape": list(res.latents.shape)},
-            peak_gpu_memory_bytes=run["peak"],
-        )
-        if label == "patched":
-            rec["outputs"].update(verdict=verdict, max_abs_vs_eager=max_abs, patch_summary=patch_summary)
-        perf.write_json(out.path(f"perf_{label}.json"), rec)
-        perf_paths[label] = out.final(f"perf_{label}.json")
-    out.commit()
+                outputs.update(verdict=verdict, max_abs_vs_eager=max_abs, patch_summary=patch_summary)
+            perf_paths[label] = perf.write_record(
+                out, label=label, kind="demo", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
+                stages={"denoising_s": run["total_s"]}, args=args, report=run["report"], outputs=outputs,
+                peak_gpu_memory_bytes=run["peak"])
+        out.commit()
     preview = out.final(DEMO_FILES[0])
 
-    # table
-    def row(label):
-        r = runs[label]["result"]
-        per_step = statistics.median(r.step_times_s) * 1e3
-        return f"{label:<9} {per_step:>12.2f} {r.total_s:>11.3f}   {runs[label]['md5']}"
-
-    # a speedup means something only where the patched run used the GPU
-    on_gpu = device.type == "cuda"
-    speedup = None
-    if on_gpu:
-        speedup = eager["result"].total_s / patched["result"].total_s if patched["result"].total_s else float("inf")
     echo("")
     echo(f"{'run':<9} {'step ms(med)':>12} {'total s':>11}   latents md5")
-    echo(row("eager"))
-    echo(row("patched"))
-    if speedup is not None:
+    for label, r in runs.items():
+        echo(f"{label:<9} {statistics.median(r['steps_s']) * 1e3:>12.2f} {r['total_s']:>11.3f}   {r['md5']}")
+    on_gpu = device.type == "cuda"
+    if on_gpu:  # a speedup means something only where the patched run used the GPU
+        speedup = eager["total_s"] / patched["total_s"] if patched["total_s"] else float("inf")
         echo(f"{'speedup':<9} {speedup:>12.2f}x")
     if equal:
         echo("result    EQUAL: final latents are bit-identical")
@@ -306,31 +259,10 @@ def _run_demo(opts, ex, device, spec, config, dtname, dtype, weight_bytes, n_par
     echo(f"wrote     {preview} (eager | patched | diff: the latent channels projected to RGB, "
          f"no VAE, so not a picture), {perf_paths['eager']}, {perf_paths['patched']}")
     echo(f"compare   exactdit compare {perf_paths['eager']} {perf_paths['patched']}")
-
-    summary = {
-        "verdict": verdict,
-        "equal": equal,
-        "max_abs": max_abs,
-        "speedup": speedup,
-        "md5": {k: v["md5"] for k, v in runs.items()},
-        "report": patched["report"],
-        "files": [str(preview), str(perf_paths["eager"]), str(perf_paths["patched"])],
-        "device": device.type,
-        "model": opts.model,
-        "config": config,
-        "dtype": dtname,
-    }
-    return summary, (0 if equal else 1)
+    return 0 if equal else 1
 
 
-@dataclass
-class SamplingResult:
-    latents: torch.Tensor
-    total_s: float
-    step_times_s: list[float]
-
-
-def _generator(seed: int) -> torch.Generator:
+def seeded_generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
@@ -339,36 +271,42 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None = None):
-    """One run of diffusers' pipeline to its final latents; returns (latents, total s, per-step s)."""
-    steps, marks = call["num_inference_steps"], []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+def timed_call(pipe, call: dict, device: torch.device, bar=None):
+    """``pipe(**call)`` without grad, the clock read in step with the device at its start, at the end of
+    each step and at its end; returns (output, start, step ends, end, the last step's latents)."""
+    marks, last = [], {}
 
-        bar = tqdm(total=steps, desc=progress, leave=False, unit="step")
-
-    def on_step(pipeline, i, t, kwargs):
+    def on_step(_pipe, i, t, kwargs):
         synchronize(device)
         marks.append(time.perf_counter())
+        last["latents"] = kwargs.get("latents")
         if bar is not None:
             bar.update(1)
         return kwargs
 
+    with torch.no_grad():
+        synchronize(device)
+        start = time.perf_counter()
+        result = pipe(**call, callback_on_step_end=on_step)
+        synchronize(device)
+    return result, start, marks, time.perf_counter(), last.get("latents")
+
+
+def sample_pipeline(pipe, call: dict, device: torch.device, progress: str | None = None):
+    """One run of diffusers' pipeline to its final latents; returns (latents, total s, per-step s)."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=call["num_inference_steps"], desc=progress, leave=False, unit="step")
     try:
-        with torch.no_grad():
-            synchronize(device)
-            start = time.perf_counter()
-            result = pipe(**call, callback_on_step_end=on_step)
-            synchronize(device)
-            total = time.perf_counter() - start
+        result, start, marks, end, _ = timed_call(pipe, call, device, bar)
     finally:
         if bar is not None:
             bar.close()
     images = pipeline_output(result)
     latents = images if isinstance(images, torch.Tensor) else torch.stack([torch.as_tensor(x) for x in images])
-    steps_s = [b - a for a, b in zip([start] + marks[:-1], marks)]
-    return latents, total, steps_s
+    return latents, end - start, [b - a for a, b in zip([start] + marks[:-1], marks)]
 
 
 def pipeline_output(result):

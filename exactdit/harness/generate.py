@@ -13,19 +13,15 @@ from typing import Callable
 import torch
 
 from . import _api, ab, metrics, perf
-from .demo import HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device, synchronize
+from .demo import (HarnessError, check_activation_memory, default_dtype, no_gpu_note, resolve_device, seeded_generator,
+                   synchronize, timed_call)
 from .outputs import StagedOutput, check_writable
 from .models import dtype_from_name
 
 PIPELINE_CLASSES = ("ErnieImagePipeline",)
 # component -> (config file, needs weights)
-REQUIRED = {
-    "transformer": ("config.json", True),
-    "vae": ("config.json", True),
-    "text_encoder": ("config.json", True),
-    "tokenizer": (None, False),
-    "scheduler": ("scheduler_config.json", False),
-}
+REQUIRED = {"transformer": ("config.json", True), "vae": ("config.json", True), "text_encoder": ("config.json", True),
+            "tokenizer": (None, False), "scheduler": ("scheduler_config.json", False)}
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -85,36 +81,21 @@ def _read_json_object(path: Path) -> dict:
     return obj
 
 
-def vae_channels(model_path: str | Path) -> list[int]:
-    """The VAE's ``block_out_channels`` from vae/config.json (read before the slow load)."""
-    cfg_path = Path(model_path).expanduser() / "vae" / "config.json"
+def check_size(opts: GenerateOptions, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before the slow load, a size that is no multiple of the pipeline's ``vae_scale_factor``
+    (2 ** len(block_out_channels) of vae/config.json, as ErnieImagePipeline works it out), or whose
+    activations do not fit: the VAE decoder's last block holds a full-size input and output of
+    ``block_out_channels[0]`` channels (a lower bound, what a huge size fails on first)."""
+    cfg_path = Path(opts.model_path).expanduser() / "vae" / "config.json"
     channels = _read_json_object(cfg_path).get("block_out_channels")
     if not isinstance(channels, list) or not channels or not all(isinstance(c, int) and c > 0 for c in channels):
         raise ModelDirError(f"{cfg_path} has no block_out_channels list")
-    return channels
-
-
-def size_multiple(model_path: str | Path) -> int:
-    """What height and width must be multiples of: the pipeline's ``vae_scale_factor``, worked out
-    from vae/config.json as ErnieImagePipeline does (2 ** len(block_out_channels)), so that a bad
-    size is refused before the slow load."""
-    return 2 ** len(vae_channels(model_path))
-
-
-def activation_bytes(opts: GenerateOptions, dtype: torch.dtype) -> int:
-    """A lower bound of one image's activation memory: the VAE decoder's last block holds a full-size
-    input and output of ``block_out_channels[0]`` channels (what a huge size fails on first)."""
-    return opts.height * opts.width * vae_channels(opts.model_path)[0] * dtype.itemsize * 2
-
-
-def check_size(opts: GenerateOptions, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
-    multiple = size_multiple(opts.model_path)
+    multiple = 2 ** len(channels)
     if opts.height % multiple or opts.width % multiple:
         raise HarnessError(f"--height and --width must be multiples of {multiple} for this model "
                            f"(got {opts.height}x{opts.width})")
-    if dtype is not None and device is not None:
-        check_activation_memory(activation_bytes(opts, dtype), f"--height {opts.height} --width {opts.width}",
-                                device, "use a smaller --height / --width")
+    check_activation_memory(opts.height * opts.width * channels[0] * dtype.itemsize * 2,
+                            f"--height {opts.height} --width {opts.width}", device, "use a smaller --height / --width")
 
 
 @dataclass
@@ -150,11 +131,9 @@ def load_pipeline(model_path: str | Path, dtype: torch.dtype, device: torch.devi
     return pipe.to(device)
 
 
-@torch.no_grad()
 def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, steps: int | None = None) -> dict:
     """One pipeline call with a fixed-seed generator; returns images, final latents and perf timings."""
-    steps = steps or opts.steps
-    marks: dict = {"text": 0.0, "text_end": None, "steps": [], "last": None, "latents": None}
+    text = {"s": 0.0, "end": None}
     orig_encode = pipe.encode_prompt
 
     def encode_prompt(*args, **kwargs):
@@ -162,74 +141,30 @@ def timed_run(pipe, opts: GenerateOptions, device: torch.device, label: str, ste
         t0 = time.perf_counter()
         res = orig_encode(*args, **kwargs)
         synchronize(device)
-        t1 = time.perf_counter()
-        marks["text"] += t1 - t0
-        marks["text_end"] = t1
-        marks["last"] = t1
+        text["end"] = time.perf_counter()
+        text["s"] += text["end"] - t0
         return res
-
-    def on_step(_pipe, i, t, kwargs):
-        synchronize(device)
-        now = time.perf_counter()
-        marks["steps"].append(now - marks["last"])
-        marks["last"] = now
-        marks["latents"] = kwargs["latents"]
-        return {}
 
     pipe.__dict__["encode_prompt"] = encode_prompt
     pipe.set_progress_bar_config(desc=label, disable=not opts.progress, leave=False)
-    generator = torch.Generator("cpu").manual_seed(opts.seed)
     perf.reset_peak_memory(device)
-    synchronize(device)
-    start = time.perf_counter()
-    marks["last"] = start
+    call = dict(prompt=opts.prompt, negative_prompt=opts.negative_prompt, height=opts.height, width=opts.width,
+                num_inference_steps=steps or opts.steps, guidance_scale=opts.guidance_scale,
+                generator=seeded_generator(opts.seed), use_pe=opts.use_pe,
+                callback_on_step_end_tensor_inputs=["latents"])
     try:
-        out = pipe(
-            prompt=opts.prompt,
-            negative_prompt=opts.negative_prompt,
-            height=opts.height,
-            width=opts.width,
-            num_inference_steps=steps,
-            guidance_scale=opts.guidance_scale,
-            generator=generator,
-            use_pe=opts.use_pe,
-            callback_on_step_end=on_step,
-            callback_on_step_end_tensor_inputs=["latents"],
-        )
-        synchronize(device)
+        out, start, marks, end, latents = timed_call(pipe, call, device)
     finally:
         pipe.__dict__.pop("encode_prompt", None)
-    end = time.perf_counter()
-    den_start = marks["text_end"] if marks["text_end"] is not None else start
-    return {
-        "label": label,
-        "images": list(out.images),
-        "latents": marks["latents"].detach().clone() if marks["latents"] is not None else None,
-        "revised_prompts": getattr(out, "revised_prompts", None),
-        "total_s": end - start,
-        "stages": {
-            "text_encoding_s": marks["text"],
-            "denoising_s": (marks["last"] - den_start) if marks["steps"] else 0.0,
-            "decoding_s": end - marks["last"],
-        },
-        "steps_s": marks["steps"],
-        "peak": perf.peak_memory(device),
-    }
-
-
-def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> tuple[dict, int]:
-    """Returns (summary, exit code): 1 when ``--ab`` finds the patched images/latents different."""
-    # every check of the arguments comes before the (slow) pipeline load
-    index = validate_model_dir(opts.model_path)
-    ex = _api.api()
-    device = resolve_device(opts.device)
-    dtname = opts.dtype or default_dtype(device)
-    dtype = dtype_from_name(dtname)
-    check_size(opts, dtype, device)
-    warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
-    check_writable(opts.out)
-    with StagedOutput(opts.out, GENERATE_FILES) as out:
-        return _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo)
+    # text encoding runs before the first step: denoising is from its end to the last step's
+    den_start = text["end"] if text["end"] is not None else start
+    last = marks[-1] if marks else den_start
+    return {"label": label, "images": list(out.images),
+            "latents": latents.detach().clone() if latents is not None else None,
+            "revised_prompts": getattr(out, "revised_prompts", None), "total_s": end - start,
+            "stages": {"text_encoding_s": text["s"], "denoising_s": (last - den_start) if marks else 0.0,
+                       "decoding_s": end - last},
+            "steps_s": [b - a for a, b in zip([den_start] + marks[:-1], marks)], "peak": perf.peak_memory(device)}
 
 
 #: what generate writes into --out (replaced as a set by the next generate there, --ab or not)
@@ -250,93 +185,92 @@ def timing_notes(device: torch.device, warm: bool, runs: dict) -> list[str]:
     return notes
 
 
-def _run_generate(opts, index, ex, device, dtname, dtype, warm, out, echo) -> tuple[dict, int]:
+def run_generate(opts: GenerateOptions, echo: Callable[[str], None] = print) -> int:
+    """Returns the exit code: 1 when ``--ab`` finds the patched images/latents different."""
+    # every check of the arguments comes before the (slow) pipeline load
+    index = validate_model_dir(opts.model_path)
+    ex = _api.api()
+    device = resolve_device(opts.device)
+    dtname = opts.dtype or default_dtype(device)
+    dtype = dtype_from_name(dtname)
+    check_size(opts, dtype, device)
+    warm = opts.warmup if opts.warmup is not None else device.type == "cuda"
+    check_writable(opts.out)
     if opts.use_pe and index.get("pe") in (None, [None, None]):
         echo("note: --use-pe given but this folder has no prompt-enhancer (pe) component; prompt used as is")
+    with StagedOutput(opts.out, GENERATE_FILES) as out:
+        t0 = time.perf_counter()
+        pipe = load_pipeline(opts.model_path, dtype, device)
+        load_s = time.perf_counter() - t0
+        echo(f"exactdit generate: {opts.model_path} on {device.type} ({perf.device_info(device).get('name')}), "
+             f"{dtname}, {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.guidance_scale:g}, seed {opts.seed}"
+             f", loaded in {load_s:.1f}s")
+        if device.type != "cuda":
+            echo("NOTE: " + no_gpu_note())
 
-    t0 = time.perf_counter()
-    pipe = load_pipeline(opts.model_path, dtype, device)
-    load_s = time.perf_counter() - t0
-    echo(f"exactdit generate: {opts.model_path} on {device.type} ({perf.device_info(device).get('name')}), "
-         f"{dtname}, {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.guidance_scale:g}, seed {opts.seed}"
-         f", loaded in {load_s:.1f}s")
-    if device.type != "cuda":
-        echo("NOTE: " + no_gpu_note())
+        args = dict(vars(opts), device=str(device), dtype=dtname, warmup=warm, load_s=load_s)
+        runs: dict[str, dict] = {}
+        if opts.ab:
+            if warm:
+                timed_run(pipe, opts, device, "warmup eager", steps=1)
+            runs["baseline"] = timed_run(pipe, opts, device, "baseline (eager)")
+            runs["baseline_repeat"] = timed_run(pipe, opts, device, "baseline repeat")
+        patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
+        try:
+            if warm:
+                timed_run(pipe, opts, device, "warmup patched", steps=1)
+            ex.reset_report()
+            runs["patched"] = timed_run(pipe, opts, device, "patched")
+            runs["patched"]["report"] = _api.normalize_report(ex.report(show=False))
+        finally:
+            ex.unpatch(pipe)
 
-    args = {k: v for k, v in vars(opts).items()}
-    args.update(device=str(device), dtype=dtname, warmup=warm, load_s=load_s)
-    runs: dict[str, dict] = {}
+        written: list[str] = []
+        for label, run in runs.items():
+            run["md5s"] = [metrics.md5_image(im) for im in run["images"]]
+            for i, im in enumerate(run["images"] if label != "baseline_repeat" else []):
+                im.save(out.path(f"image_{label}_{i}.png"))
+                written.append(str(out.final(f"image_{label}_{i}.png")))
+            outputs = {"image_md5": run["md5s"],
+                       "latents_md5": metrics.md5_tensor(run["latents"]) if run["latents"] is not None else None,
+                       "revised_prompts": run["revised_prompts"]}
+            if label == "patched":
+                outputs["patch_summary"] = patch_summary
+            written.append(str(perf.write_record(
+                out, label=label, kind="generate", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
+                stages=run["stages"], args=args, report=run.get("report", {}), outputs=outputs,
+                peak_gpu_memory_bytes=run["peak"])))
 
-    if opts.ab:
-        if warm:
-            timed_run(pipe, opts, device, "warmup eager", steps=1)
-        runs["baseline"] = timed_run(pipe, opts, device, "baseline (eager)")
-        runs["baseline_repeat"] = timed_run(pipe, opts, device, "baseline repeat")
-    patch_summary = ex.patch(pipe, cuda_graphs=opts.cuda_graphs)
-    try:
-        if warm:
-            timed_run(pipe, opts, device, "warmup patched", steps=1)
-        ex.reset_report()
-        runs["patched"] = timed_run(pipe, opts, device, "patched")
-        runs["patched"]["report"] = _api.normalize_report(ex.report(show=False))
-    finally:
-        ex.unpatch(pipe)
+        pr = runs["patched"]
+        echo("")
+        echo(f"{'run':<16} {'total s':>8} {'text s':>7} {'denoise s':>9} {'decode s':>8} {'step ms(mean)':>13}"
+             "  image md5")
+        for label, run in runs.items():
+            st = run["stages"]
+            mean_step = sum(run["steps_s"]) / max(1, len(run["steps_s"])) * 1e3
+            echo(f"{label:<16} {run['total_s']:>8.3f} {st['text_encoding_s']:>7.3f} {st['denoising_s']:>9.3f} "
+                 f"{st['decoding_s']:>8.3f} {mean_step:>13.2f}  {run['md5s'][0] if run['md5s'] else '-'}")
+        fused, fell_back, reasons = _api.summarize_report(pr["report"])
+        echo(f"fused: {fused} op calls ran fused, {fell_back} fell back to eager"
+             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})" if reasons else ""))
+        for line in timing_notes(device, warm, runs):
+            echo(line)
 
-    written: list[str] = []
-    for label, run in runs.items():
-        md5s = [metrics.md5_image(im) for im in run["images"]]
-        for i, im in enumerate(run["images"]):
-            if label == "baseline_repeat":
-                continue
-            name = f"image_{label}_{i}.png"
-            im.save(out.path(name))
-            written.append(str(out.final(name)))
-        rec = perf.make_record(
-            label=label, kind="generate", device=device, total_s=run["total_s"], steps_s=run["steps_s"],
-            stages=run["stages"], args=args, report=run.get("report", {}), peak_gpu_memory_bytes=run["peak"],
-            outputs={
-                "image_md5": md5s,
-                "latents_md5": metrics.md5_tensor(run["latents"]) if run["latents"] is not None else None,
-                "revised_prompts": run["revised_prompts"],
-            },
-        )
-        if label == "patched":
-            rec["outputs"]["patch_summary"] = patch_summary
-        perf.write_json(out.path(f"perf_{label}.json"), rec)
-        written.append(str(out.final(f"perf_{label}.json")))
-        run["md5s"] = md5s
-
-    pr = runs["patched"]
-    echo("")
-    echo(f"{'run':<16} {'total s':>8} {'text s':>7} {'denoise s':>9} {'decode s':>8} {'step ms(mean)':>13}  image md5")
-    for label, run in runs.items():
-        st = run["stages"]
-        mean_step = sum(run["steps_s"]) / max(1, len(run["steps_s"])) * 1e3
-        echo(f"{label:<16} {run['total_s']:>8.3f} {st['text_encoding_s']:>7.3f} {st['denoising_s']:>9.3f} "
-             f"{st['decoding_s']:>8.3f} {mean_step:>13.2f}  {run['md5s'][0] if run['md5s'] else '-'}")
-    fused, fell_back, reasons = _api.summarize_report(pr["report"])
-    echo(f"fused: {fused} op calls ran fused, {fell_back} fell back to eager"
-         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))})" if reasons else ""))
-    for line in timing_notes(device, warm, runs):
-        echo(line)
-
-    code = 0
-    summary = {"files": written, "report": pr["report"], "md5": {k: r["md5s"] for k, r in runs.items()}}
-    if opts.ab:
-        meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
-                "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
-        rep = ab.write_report(out.stage, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
-        written += [str(out.final(f)) for f in rep["files"]]
-        summary["ab"] = rep
-        det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
-        echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
-        cmp = rep["patched_vs_baseline"]
-        if "latents" in cmp:
-            echo(f"     latents max_abs {cmp['latents']['max_abs']:.3g}")
-        for i, c in enumerate(cmp.get("images", [])):
-            echo(f"     image {i}: max_abs {c['max_abs']:g}, PSNR {ab._fmt(c['psnr_db'])} dB, SSIM {ab._fmt(c['ssim'])}")
-        if rep["verdict"] != "EQUAL":
-            code = 1
-    out.commit()
-    echo("wrote: " + ", ".join(written))
-    return summary, code
+        code = 0
+        if opts.ab:
+            meta = {"model_path": str(opts.model_path), "prompt": opts.prompt, "seed": opts.seed, "steps": opts.steps,
+                    "size": f"{opts.height}x{opts.width}", "dtype": dtname, "device": device.type}
+            rep = ab.write_report(out.stage, runs["baseline"], pr, runs["baseline_repeat"], meta=meta)
+            written += [str(out.final(f)) for f in rep["files"]]
+            det = "yes" if rep.get("baseline_deterministic") else "NO (eager itself is not reproducible here)"
+            echo(f"A/B: {rep['verdict']} (patched vs eager); eager deterministic across repeats: {det}")
+            cmp = rep["patched_vs_baseline"]
+            if "latents" in cmp:
+                echo(f"     latents max_abs {cmp['latents']['max_abs']:.3g}")
+            for i, c in enumerate(cmp.get("images", [])):
+                echo(f"     image {i}: max_abs {c['max_abs']:g}, PSNR {ab.fmt(c['psnr_db'])} dB, "
+                     f"SSIM {ab.fmt(c['ssim'])}")
+            code = 0 if rep["verdict"] == "EQUAL" else 1
+        out.commit()
+        echo("wrote: " + ", ".join(written))
+        return code

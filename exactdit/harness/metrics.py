@@ -9,17 +9,13 @@ import numpy as np
 import torch
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Raw bytes of a tensor in its own dtype (bf16/fp16 included), C-contiguous, on CPU."""
+def md5_tensor(t: torch.Tensor) -> str:
+    """md5 of the tensor's raw bytes in its own dtype (bf16/fp16 included), C-contiguous: same md5 <=>
+    bit-identical tensors of the same dtype and numel."""
     t = t.detach().to("cpu").contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return t.view(torch.uint8).numpy().tobytes()
-
-
-def md5_tensor(t: torch.Tensor) -> str:
-    """md5 of the tensor's raw bytes (same bytes <=> bit-identical tensors of the same dtype/numel)."""
-    return hashlib.md5(tensor_bytes(t)).hexdigest()
+    return hashlib.md5(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def outputs_equal(a, b) -> bool:
@@ -41,15 +37,20 @@ def image_array(img) -> np.ndarray:
             arr = np.moveaxis(arr, 0, -1)
     else:  # PIL
         arr = np.asarray(img.convert("RGB") if getattr(img, "mode", "RGB") not in ("RGB", "L") else img)
-    if arr.ndim == 2:
-        arr = arr[..., None]
-    return arr
+    return arr[..., None] if arr.ndim == 2 else arr
 
 
 def md5_image(img) -> str:
     """md5 of the decoded pixels (not of the PNG container)."""
-    arr = np.ascontiguousarray(image_array(img))
-    return hashlib.md5(arr.tobytes()).hexdigest()
+    return hashlib.md5(np.ascontiguousarray(image_array(img)).tobytes()).hexdigest()
+
+
+def _pair(a, b, data_range: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Two images as arrays of one shape, and their data range (uint8: 255, floats: 1.0)."""
+    x, y = image_array(a), image_array(b)
+    if x.shape != y.shape:
+        raise ValueError(f"shape mismatch: {x.shape} vs {y.shape}")
+    return x, y, float(data_range if data_range is not None else 255.0 if x.dtype == np.uint8 else 1.0)
 
 
 def max_abs(a, b) -> float:
@@ -60,24 +61,15 @@ def max_abs(a, b) -> float:
         if a.numel() == 0:
             return 0.0
         return float((a.detach().cpu().double() - b.detach().cpu().double()).abs().max())
-    x, y = image_array(a).astype(np.float64), image_array(b).astype(np.float64)
-    if x.shape != y.shape:
-        raise ValueError(f"shape mismatch: {x.shape} vs {y.shape}")
-    return float(np.abs(x - y).max()) if x.size else 0.0
-
-
-def _data_range(arr: np.ndarray) -> float:
-    return 255.0 if arr.dtype == np.uint8 else 1.0
+    x, y, _ = _pair(a, b)
+    return float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()) if x.size else 0.0
 
 
 def psnr(a, b, data_range: float | None = None) -> float:
     """PSNR in dB (``inf`` for identical images). uint8 images use data_range 255, floats 1.0."""
     from skimage.metrics import peak_signal_noise_ratio
 
-    x, y = image_array(a), image_array(b)
-    if x.shape != y.shape:
-        raise ValueError(f"shape mismatch: {x.shape} vs {y.shape}")
-    dr = float(data_range if data_range is not None else _data_range(x))
+    x, y, dr = _pair(a, b, data_range)
     if np.array_equal(x, y):
         return math.inf
     return float(peak_signal_noise_ratio(x.astype(np.float64), y.astype(np.float64), data_range=dr))
@@ -87,36 +79,22 @@ def ssim(a, b, data_range: float | None = None) -> float:
     """Mean SSIM over channels (scikit-image, 7x7 Gaussian-free window, shrunk for tiny images)."""
     from skimage.metrics import structural_similarity
 
-    x, y = image_array(a), image_array(b)
-    if x.shape != y.shape:
-        raise ValueError(f"shape mismatch: {x.shape} vs {y.shape}")
-    dr = float(data_range if data_range is not None else _data_range(x))
+    x, y, dr = _pair(a, b, data_range)
     side = min(x.shape[0], x.shape[1])
     if side < 3:
         return 1.0 if np.array_equal(x, y) else float("nan")
     win = min(7, side if side % 2 == 1 else side - 1)
-    return float(
-        structural_similarity(
-            x.astype(np.float64), y.astype(np.float64), data_range=dr, channel_axis=-1, win_size=win
-        )
-    )
+    return float(structural_similarity(x.astype(np.float64), y.astype(np.float64), data_range=dr, channel_axis=-1,
+                                       win_size=win))
 
 
 def compare_images(a, b) -> dict:
-    return {
-        "md5_a": md5_image(a),
-        "md5_b": md5_image(b),
-        "equal": md5_image(a) == md5_image(b) and image_array(a).shape == image_array(b).shape,
-        "max_abs": max_abs(a, b),
-        "psnr_db": psnr(a, b),
-        "ssim": ssim(a, b),
-    }
+    md5_a, md5_b = md5_image(a), md5_image(b)
+    return {"md5_a": md5_a, "md5_b": md5_b, "equal": md5_a == md5_b and image_array(a).shape == image_array(b).shape,
+            "max_abs": max_abs(a, b), "psnr_db": psnr(a, b), "ssim": ssim(a, b)}
 
 
 def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
-    return {
-        "md5_a": md5_tensor(a),
-        "md5_b": md5_tensor(b),
-        "equal": bool(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())),
-        "max_abs": max_abs(a, b),
-    }
+    return {"md5_a": md5_tensor(a), "md5_b": md5_tensor(b),
+            "equal": bool(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())),
+            "max_abs": max_abs(a, b)}

@@ -49,7 +49,6 @@ class StagedOutput:
         self.owned = tuple(owned)
         self.option = option
         self.stage: Path | None = None
-        self.committed: list[Path] = []
 
     def __enter__(self) -> "StagedOutput":
         self.stage = Path(tempfile.mkdtemp(prefix="exactdit-out-"))
@@ -67,7 +66,7 @@ class StagedOutput:
     def final(self, name: str | Path) -> Path:
         return self.out / Path(name).name
 
-    def commit(self) -> list[Path]:
+    def commit(self) -> None:
         """Move every staged file into ``out`` (replacing the owned files of an earlier run)."""
         assert self.stage is not None, "StagedOutput used outside its with block"
         try:
@@ -78,8 +77,6 @@ class StagedOutput:
                         old.unlink()
             for f in sorted(self.stage.iterdir()):
                 shutil.move(str(f), str(self.out / f.name))
-                self.committed.append(self.out / f.name)
         except OSError as exc:
             raise HarnessError(f"{self.option} {self.out}: could not write the results "
                                f"({exc.strerror or exc})") from None
-        return self.committed

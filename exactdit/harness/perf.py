@@ -1,20 +1,6 @@
-"""Perf JSON records (one per run) and ``compare`` (Markdown table of end-to-end / per-stage deltas).
-
-Record layout (``schema: exactdit.perf/1``)::
-
-    {
-      "schema": "exactdit.perf/1", "label": "patched", "kind": "demo" | "generate",
-      "created": ISO-8601 time, "args": {...},
-      "device": {"type", "name", "capability", "count", "cpu", "torch_threads"},
-      "versions": {"python", "torch", "cuda", "triton", "diffusers", "transformers", "exactdit"},
-      "git_commit": "..." | null,
-      "timings": {"total_s", "stages": {"text_encoding_s", "denoising_s", "decoding_s"}, "steps_s": [...]},
-      "peak_gpu_memory_bytes": int | null,
-      "exactdit_report": {op: {"fused", "eager", "eager_reasons"}},
-      "outputs": {...md5s, files}
-    }
-
-Stages that do not apply to a run (the demo has no text encoder or VAE) are ``null``.
+"""Perf JSON records (one per run, schema ``exactdit.perf/1``: docs/harness.md lists the fields) and
+``compare`` (Markdown table of end-to-end / per-stage deltas). Stages that do not apply to a run (the
+demo has no text encoder or VAE) are ``null``.
 """
 
 from __future__ import annotations
@@ -39,21 +25,13 @@ STAGES = ("text_encoding_s", "denoising_s", "decoding_s")
 
 
 def _sanitize(obj):
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
     if isinstance(obj, dict):
         return {str(k): _sanitize(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_sanitize(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if obj is None or isinstance(obj, (str, int, bool)):
-        return obj
-    return str(obj)
+    return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)  # Paths, dtypes: str
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -79,40 +57,33 @@ def versions() -> dict:
 
     from ._api import version as exactdit_version
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "diffusers": _version("diffusers"),
-        "transformers": _version("transformers"),
-        "exactdit": exactdit_version(),
-    }
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            **{dist: _version(dist) for dist in ("triton", "diffusers", "transformers")},
+            "exactdit": exactdit_version()}
 
 
 def device_info(device) -> dict:
     import torch
 
     dev = torch.device(device)
-    info: dict[str, Any] = {
-        "type": dev.type,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
+    info: dict[str, Any] = {"type": dev.type, "cpu": platform.processor() or platform.machine(),
+                            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                            "platform": platform.platform()}
     if dev.type == "cuda" and torch.cuda.is_available():
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        info.update(
-            name=props.name,
-            capability=f"{props.major}.{props.minor}",
-            total_memory_bytes=int(props.total_memory),
-            count=torch.cuda.device_count(),
-        )
+        props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                    total_memory_bytes=int(props.total_memory), count=torch.cuda.device_count())
     else:
         info["name"] = info["cpu"] or "cpu"
     return info
+
+
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args], capture_output=True,
+                              text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def git_commit() -> str | None:
@@ -120,54 +91,37 @@ def git_commit() -> str | None:
     env = os.environ.get("EXACTDIT_GIT_COMMIT")
     if env:
         return env
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
+    head = _git("rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
         return None
-    if out.returncode != 0:
-        return None
-    commit = out.stdout.strip()
-    try:
-        dirty = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        dirty = ""
-    return commit + ("-dirty" if dirty else "")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head.stdout.strip() + ("-dirty" if status is not None and status.stdout.strip() else "")
+
+
+def _on_cuda(device) -> bool:
+    import torch
+
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
 def reset_peak_memory(device) -> None:
-    import torch
+    if _on_cuda(device):
+        import torch
 
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device) -> int | None:
-    import torch
+    if _on_cuda(device):
+        import torch
 
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(device))
     return None
 
 
-def make_record(
-    *,
-    label: str,
-    kind: str,
-    device,
-    total_s: float,
-    steps_s: list[float],
-    stages: dict | None = None,
-    args: dict | None = None,
-    report: dict | None = None,
-    outputs: dict | None = None,
-    peak_gpu_memory_bytes: int | None = None,
-) -> dict:
+def make_record(*, label: str, kind: str, device, total_s: float, steps_s: list[float], stages: dict | None = None,
+                args: dict | None = None, report: dict | None = None, outputs: dict | None = None,
+                peak_gpu_memory_bytes: int | None = None) -> dict:
     st = {k: None for k in STAGES}
     st.update(stages or {})
     return {
@@ -185,6 +139,12 @@ def make_record(
         "exactdit_report": dict(report or {}),
         "outputs": dict(outputs or {}),
     }
+
+
+def write_record(out, label: str, **fields) -> Path:
+    """A :func:`make_record` written as ``perf_<label>.json`` into a StagedOutput; returns its final path."""
+    write_json(out.path(f"perf_{label}.json"), make_record(label=label, **fields))
+    return out.final(f"perf_{label}.json")
 
 
 # ---------------------------------------------------------------------------------------- compare
@@ -254,25 +214,18 @@ def schema_problem(rec) -> str | None:
     return None
 
 
-def _num(v) -> float | None:
-    return float(v) if v is not None else None
-
-
 def metrics_of(rec: dict) -> dict[str, float | None]:
     # ``rec`` passed schema_problem: every value read here is null, absent or a number
     t = rec["timings"]
     stages = t.get("stages") or {}
     steps = [float(x) for x in t.get("steps_s") or []]
-    mem = _num(rec.get("peak_gpu_memory_bytes"))
-    return {
-        "end-to-end (s)": _num(t.get("total_s")),
-        "text encoding (s)": _num(stages.get("text_encoding_s")),
-        "denoising (s)": _num(stages.get("denoising_s")),
-        "decoding (s)": _num(stages.get("decoding_s")),
-        "per step, mean (s)": statistics.fmean(steps) if steps else None,
-        "per step, median (s)": statistics.median(steps) if steps else None,
-        "peak GPU memory (MiB)": mem / 2**20 if mem is not None else None,
-    }
+    mem = rec.get("peak_gpu_memory_bytes")
+    values = {"end-to-end (s)": t.get("total_s"), "text encoding (s)": stages.get("text_encoding_s"),
+              "denoising (s)": stages.get("denoising_s"), "decoding (s)": stages.get("decoding_s"),
+              "per step, mean (s)": statistics.fmean(steps) if steps else None,
+              "per step, median (s)": statistics.median(steps) if steps else None,
+              "peak GPU memory (MiB)": mem / 2**20 if mem is not None else None}
+    return {k: float(v) if v is not None else None for k, v in values.items()}
 
 
 def _cell(v: float | None, base: float | None) -> str:
@@ -297,11 +250,6 @@ def column_names(paths: list[str | Path]) -> list[str]:
             return names
     names = [str(Path(p)) for p in paths]  # the same file more than once
     return [f"{n} [{i + 1}]" for i, n in enumerate(names)]
-
-
-def _name(rec: dict, name: str) -> str:
-    label = rec.get("label")
-    return f"{name} ({label})" if label else name
 
 
 def run_identity(rec: dict) -> dict[str, str | None]:
@@ -346,8 +294,8 @@ def compare(paths: Iterable[str | Path], force: bool = False) -> str:
         raise PerfFileError("the runs differ in " + "; ".join(diffs)
                             + ", so their timings are not comparable; pass --force to compare them anyway")
     cols = [metrics_of(r) for r in recs]
-    header = "| metric | " + " | ".join(_name(r, n) for r, n in zip(recs, names)) + " |"
-    lines = [header, "|---|" + "---|" * len(recs)]
+    header = " | ".join(f"{n} ({r['label']})" if r.get("label") else n for r, n in zip(recs, names))
+    lines = [f"| metric | {header} |", "|---|" + "---|" * len(recs)]
     for key in cols[0]:
         if all(c[key] is None for c in cols):
             continue

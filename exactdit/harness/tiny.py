@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import build_transformer
-from .models.ernie import ernie_components
+from .models import ComponentRequest, build_transformer, ernie, get_spec
 
 #: the tiny pipeline's transformer (4 VAE latent channels x 2x2 patchify in, 16-d text features)
 TINY_TRANSFORMER = dict(hidden_size=32, num_attention_heads=2, num_layers=2, ffn_hidden_size=64, in_channels=16,
@@ -22,8 +21,8 @@ def build_tiny_pipeline(seed: int = 0):
     from diffusers import ErnieImagePipeline
 
     transformer = build_transformer("ernie", TINY_TRANSFORMER, seed=seed)
-    parts = ernie_components(TINY_TRANSFORMER, seed=seed, dtype=torch.float32, device="cpu",
-                             vae_channels=TINY_VAE_CHANNELS)
+    req = ComponentRequest(get_spec("ernie"), TINY_TRANSFORMER, seed, torch.float32, torch.device("cpu"))
+    parts = ernie.build_components(req, vae_channels=TINY_VAE_CHANNELS)
     return ErnieImagePipeline(transformer=transformer, **parts)
 
 

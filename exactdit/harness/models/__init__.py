@@ -18,36 +18,13 @@ run any model through the same calls::
 Registered (in order): ernie, flux, flux-schnell, chroma, qwen, zimage, wan, wan-1.3b.
 """
 
-from .core import (
-    CONFIG_NAMES,
-    DTYPES,
-    ComponentRequest,
-    ForwardRequest,
-    ModelSpec,
-    Production,
-    build_components,
-    build_pipeline,
-    build_random,
-    build_transformer,
-    count_params,
-    dtype_from_name,
-    dtype_name,
-    estimate_bytes,
-    forward_inputs,
-    get_spec,
-    init_random_weights,
-    model_names,
-    pipeline_call_kwargs,
-    register,
-    run_forward,
-)
+from .core import (CONFIG_NAMES, DTYPES, ComponentRequest, ForwardRequest, ModelSpec, Production, build_pipeline,
+                   build_random, build_transformer, dtype_from_name, dtype_name, estimate_bytes, forward_inputs,
+                   get_spec, model_names, pipeline_call_kwargs, register, run_forward)
 
 # registration order = priority order
 from . import ernie, flux, qwen, zimage, wan  # noqa: E402,F401  isort: skip
 
-__all__ = [
-    "CONFIG_NAMES", "DTYPES", "ComponentRequest", "ForwardRequest", "ModelSpec", "Production",
-    "build_components", "build_pipeline", "build_random", "build_transformer", "count_params",
-    "dtype_from_name", "dtype_name", "estimate_bytes", "forward_inputs", "get_spec",
-    "init_random_weights", "model_names", "pipeline_call_kwargs", "register", "run_forward",
-]
+__all__ = ["CONFIG_NAMES", "DTYPES", "ComponentRequest", "ForwardRequest", "ModelSpec", "Production", "build_pipeline",
+           "build_random", "build_transformer", "dtype_from_name", "dtype_name", "estimate_bytes", "forward_inputs",
+           "get_spec", "model_names", "pipeline_call_kwargs", "register", "run_forward"]

@@ -4,7 +4,7 @@ few-channel VAEs with random weights.
 The text encoders keep the output width the transformer expects (e.g. 4096-d T5 features for Flux)
 but shrink everything else (vocabulary, attention inner width, FFN), so even the components of a
 "full" config cost a few MB. The VAEs have the production number of levels, hence the production
-scale factor and latent shapes. Weights come from :func:`init_random_weights` (seeded, independent
+scale factor and latent shapes. Weights come from :func:`materialize` (seeded, independent
 of library init code); dtypes are those ``from_pretrained(torch_dtype=...)`` leaves.
 """
 
@@ -27,65 +27,32 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 WORD_PATTERN = r"\n|\w+|[^\w\s]"
 
 
-def word_vocab(words: Sequence[str]) -> dict[str, int]:
-    vocab: dict[str, int] = {}
-    for w in words:
-        vocab.setdefault(w, len(vocab))
-    return vocab
-
-
-def build_tiny_tokenizer():
-    """ERNIE-Image's tiny tokenizer: whitespace/punctuation word-level, no special tokens added."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab=word_vocab(TINY_WORDS), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=64,
-    )
-
-
-def build_word_tokenizer(
-    *,
-    model_max_length: int,
-    add_bos: bool = False,
-    add_eos: bool = False,
-    chat: bool = False,
-    chat_template: str | None = None,
-):
+def build_word_tokenizer(*, model_max_length: int, add_bos: bool = False, add_eos: bool = False, chat: bool = False,
+                         chat_template: str | None = None, whitespace: bool = False):
     """A word-level fast tokenizer made in code (nothing downloaded).
 
     ``add_bos`` / ``add_eos`` wrap every sequence like CLIP (``<s> .. </s>``) or T5 (``.. </s>``);
     ``chat`` adds the Qwen ``<|im_start|>`` / ``<|im_end|>`` markers as atomic special tokens and uses
-    ``<|endoftext|>`` as padding, like the Qwen tokenizers.
+    ``<|endoftext|>`` as padding, like the Qwen tokenizers. ``whitespace`` (ERNIE-Image's tiny
+    tokenizer): split at whitespace and runs of punctuation, no newline token.
     """
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = list(TINY_WORDS) + ["\n"] + (list(CHAT_TOKENS) if chat else [])
-    vocab = word_vocab(words)
+    words = list(TINY_WORDS) + ([] if whitespace else ["\n"]) + (list(CHAT_TOKENS) if chat else [])
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}  # a word repeated keeps its first id
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True)
+    tok.pre_tokenizer = (pre_tokenizers.Whitespace() if whitespace
+                         else pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="removed", invert=True))
     if add_bos or add_eos:
         single = " ".join((["<s>"] if add_bos else []) + ["$A"] + (["</s>"] if add_eos else []))
         specials = ([("<s>", vocab["<s>"])] if add_bos else []) + ([("</s>", vocab["</s>"])] if add_eos else [])
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     extra = {"additional_special_tokens": list(CHAT_TOKENS[:2])} if chat else {}
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None if chat else "<s>",
-        eos_token="<|im_end|>" if chat else "</s>",
-        pad_token="<|endoftext|>" if chat else "<pad>",
-        unk_token="<unk>",
-        model_max_length=model_max_length,
-        **extra,
-    )
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None if chat else "<s>",
+                                  eos_token="<|im_end|>" if chat else "</s>",
+                                  pad_token="<|endoftext|>" if chat else "<pad>", unk_token="<unk>",
+                                  model_max_length=model_max_length, **extra)
     if chat_template is not None:
         out.chat_template = chat_template
     return out
@@ -100,12 +67,9 @@ QWEN3_CHAT_TEMPLATE = (
 
 
 def _specials(tokenizer) -> dict:
-    return dict(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
-    )
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=bos)
 
 
 # ------------------------------------------------------------------------------------- text encoders
@@ -115,15 +79,9 @@ def clip_text_encoder(hidden: int, tokenizer, *, seed: int, dtype, device, layer
     """CLIPTextModel whose ``pooler_output`` is ``hidden`` wide (Flux's pooled projection input)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    cfg = CLIPTextConfig(
-        hidden_size=hidden,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        max_position_embeddings=tokenizer.model_max_length,
-        projection_dim=hidden,
-        **_specials(tokenizer),
-    )
+    cfg = CLIPTextConfig(hidden_size=hidden, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                         max_position_embeddings=tokenizer.model_max_length, projection_dim=hidden,
+                         **_specials(tokenizer))
     return build_random(lambda: CLIPTextModel(cfg), seed=seed, dtype=dtype, device=device)
 
 
@@ -134,18 +92,9 @@ def t5_encoder(d_model: int, tokenizer, *, seed: int, dtype, device, umt5: bool 
     config_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
     specials = _specials(tokenizer)
     specials.pop("bos_token_id")
-    cfg = config_cls(
-        d_model=d_model,
-        d_kv=16,
-        d_ff=32,
-        num_layers=layers,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        decoder_start_token_id=specials["pad_token_id"],
-        **specials,
-    )
+    cfg = config_cls(d_model=d_model, d_kv=16, d_ff=32, num_layers=layers, num_heads=2,
+                     relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                     feed_forward_proj="gated-gelu", decoder_start_token_id=specials["pad_token_id"], **specials)
     return build_random(lambda: model_cls(cfg), seed=seed, dtype=dtype, device=device)
 
 
@@ -154,27 +103,11 @@ def mistral3_text_encoder(hidden: int, tokenizer, *, seed: int, dtype, device):
     from transformers import Mistral3Config, Mistral3Model
 
     cfg = Mistral3Config(
-        text_config=dict(
-            model_type="mistral",
-            hidden_size=hidden,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            **_specials(tokenizer),
-        ),
-        vision_config=dict(
-            model_type="pixtral",
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            head_dim=8,
-            image_size=28,
-            patch_size=14,
-        ),
+        text_config=dict(model_type="mistral", hidden_size=hidden, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                         **_specials(tokenizer)),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=28, patch_size=14),
     )
     return build_random(lambda: Mistral3Model(cfg), seed=seed, dtype=dtype, device=device)
 
@@ -184,25 +117,18 @@ def qwen25vl_text_encoder(hidden: int, tokenizer, *, seed: int, dtype, device):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     specials = _specials(tokenizer)
+    vocab = specials["vocab_size"]
     # this attention derives head_dim from hidden / heads: 16-wide heads (the M-RoPE sections split
     # its 8 frequencies over time, height, width), so q/o projections stay hidden x hidden
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=hidden,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=hidden // 16,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            **specials,
-        ),
+        text_config=dict(hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=hidden // 16, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                         **specials),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden),
         # image/video placeholder ids outside the tiny vocabulary: text-only prompts never contain them
-        image_token_id=specials["vocab_size"] + 1,
-        video_token_id=specials["vocab_size"] + 2,
-        vision_start_token_id=specials["vocab_size"] + 3,
-        vision_end_token_id=specials["vocab_size"] + 4,
+        image_token_id=vocab + 1, video_token_id=vocab + 2, vision_start_token_id=vocab + 3,
+        vision_end_token_id=vocab + 4,
     )
     return build_random(lambda: Qwen2_5_VLForConditionalGeneration(cfg), seed=seed, dtype=dtype, device=device)
 
@@ -211,16 +137,8 @@ def qwen3_text_encoder(hidden: int, tokenizer, *, seed: int, dtype, device):
     """Z-Image's Qwen3Model (2 layers: the pipeline takes ``hidden_states[-2]``)."""
     from transformers import Qwen3Config, Qwen3Model
 
-    cfg = Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=2048,
-        **_specials(tokenizer),
-    )
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, **_specials(tokenizer))
     return build_random(lambda: Qwen3Model(cfg), seed=seed, dtype=dtype, device=device)
 
 
@@ -232,22 +150,11 @@ def autoencoder_kl(latent_channels: int, *, seed: int, dtype, device, levels: in
     """AutoencoderKL (the Flux VAE layout: no quant convs); ``levels`` 4 = scale factor 8."""
     from diffusers import AutoencoderKL
 
-    def make():
-        return AutoencoderKL(
-            block_out_channels=(8,) * levels,
-            down_block_types=("DownEncoderBlock2D",) * levels,
-            up_block_types=("UpDecoderBlock2D",) * levels,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-            layers_per_block=1,
-            sample_size=64,
-            scaling_factor=scaling_factor,
-            shift_factor=shift_factor,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-
-    return build_random(make, seed=seed, dtype=dtype, device=device)
+    return build_random(lambda: AutoencoderKL(
+        block_out_channels=(8,) * levels, down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels, latent_channels=latent_channels, norm_num_groups=4,
+        layers_per_block=1, sample_size=64, scaling_factor=scaling_factor, shift_factor=shift_factor,
+        use_quant_conv=False, use_post_quant_conv=False), seed=seed, dtype=dtype, device=device)
 
 
 def autoencoder_kl_flux2(latent_channels: int, *, seed: int, dtype, device,
@@ -257,48 +164,22 @@ def autoencoder_kl_flux2(latent_channels: int, *, seed: int, dtype, device,
     from diffusers import AutoencoderKLFlux2
 
     levels = len(block_out_channels)
-
-    def make():
-        return AutoencoderKLFlux2(
-            block_out_channels=tuple(block_out_channels),
-            down_block_types=("DownEncoderBlock2D",) * levels,
-            up_block_types=("UpDecoderBlock2D",) * levels,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-            layers_per_block=1,
-            sample_size=32,
-        )
-
-    return build_random(make, seed=seed, dtype=dtype, device=device)
+    return build_random(lambda: AutoencoderKLFlux2(
+        block_out_channels=tuple(block_out_channels), down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels, latent_channels=latent_channels, norm_num_groups=4,
+        layers_per_block=1, sample_size=32), seed=seed, dtype=dtype, device=device)
 
 
-def _wan_style_vae(cls, z_dim: int, *, seed: int, dtype, device):
+def wan_style_vae(class_name: str, z_dim: int, *, seed: int, dtype, device):
+    """Wan's VAE layout (``AutoencoderKLWan``, ``AutoencoderKLQwenImage``) with few channels."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
     # dim_mult / temperal_downsample of the released VAEs: 3 spatial downsamplings (scale 8), the
-    # last two also temporal (scale 4); few channels.
-    return build_random(
-        lambda: cls(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z_dim,
-            latents_std=[1.0] * z_dim,
-        ),
-        seed=seed, dtype=dtype, device=device,
-    )
-
-
-def autoencoder_kl_qwenimage(z_dim: int, *, seed: int, dtype, device):
-    from diffusers import AutoencoderKLQwenImage
-
-    return _wan_style_vae(AutoencoderKLQwenImage, z_dim, seed=seed, dtype=dtype, device=device)
-
-
-def autoencoder_kl_wan(z_dim: int, *, seed: int, dtype, device):
-    from diffusers import AutoencoderKLWan
-
-    return _wan_style_vae(AutoencoderKLWan, z_dim, seed=seed, dtype=dtype, device=device)
+    # last two also temporal (scale 4)
+    return build_random(lambda: cls(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                    temperal_downsample=[False, True, True], latents_mean=[0.0] * z_dim,
+                                    latents_std=[1.0] * z_dim), seed=seed, dtype=dtype, device=device)
 
 
 def flow_match_scheduler(**config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,10 +30,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dtype:
-            return k
-    return str(dtype).replace("torch.", "")
+    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
 
 
 def frozen(mapping: Mapping) -> Mapping:
@@ -45,21 +43,15 @@ def thaw(mapping: Mapping) -> dict:
     return {k: thaw(v) if isinstance(v, Mapping) else copy.deepcopy(v) for k, v in mapping.items()}
 
 
-# --------------------------------------------------------------------------------------------------
-# Specs
-# --------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------- Specs
 
 
 @dataclass(frozen=True, eq=False)
 class Production:
-    """How the released model is run (the pipeline arguments of its model card / pipeline defaults).
-
-    ``prompt_len`` / ``negative_prompt_len`` are the text tokens a typical prompt gives (a benchmark
-    choice, not a model fact); ``max_text_len`` is the pipeline's ``max_sequence_length`` (Flux, Chroma
-    and Wan pad every prompt to it; Qwen-Image and Z-Image truncate to it). ``cfg_rows``: the
-    pipeline runs classifier-free guidance as one transformer call on "uncond,cond" rows (ERNIE) or
-    "cond,uncond" rows (Z-Image); None: guidance is off, distilled or runs as two separate calls.
-    """
+    """How the released model is run (its model card / pipeline defaults). ``prompt_len`` /
+    ``negative_prompt_len``: a typical prompt's text tokens (a benchmark choice); ``max_text_len``: the
+    pipeline's ``max_sequence_length``. ``cfg_rows``: CFG runs as one call on "uncond,cond" (ERNIE) or
+    "cond,uncond" rows (Z-Image); None: guidance is off, distilled or two separate calls."""
 
     height: int
     width: int
@@ -103,6 +95,15 @@ class ForwardRequest:
         """Seeded N(0, 1) drawn in float32 on CPU (device-independent), then cast and moved."""
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=self.device, dtype=self.dtype)
 
+    def timestep(self) -> torch.Tensor:
+        """Flux's and Qwen-Image's: ``t.expand(B).to(latents.dtype)``, then / 1000 in that dtype."""
+        t = torch.full((self.batch,), 1000.0 * self.sigma, dtype=torch.float32, device=self.device)
+        return t.to(self.dtype) / 1000
+
+    def guidance(self, scale: float) -> torch.Tensor:
+        """A distilled-guidance input: ``scale`` per row in float32."""
+        return torch.full([1], scale, device=self.device, dtype=torch.float32).expand(self.batch)
+
 
 @dataclass(frozen=True, eq=False)
 class ComponentRequest:
@@ -114,6 +115,10 @@ class ComponentRequest:
     dtype: torch.dtype
     device: torch.device
 
+    def part(self, seed_offset: int) -> dict:
+        """``seed`` / ``dtype`` / ``device`` of one component (offset seeds: parts share no random stream)."""
+        return dict(seed=self.seed + seed_offset, dtype=self.dtype, device=self.device)
+
 
 @dataclass(frozen=True, eq=False)  # eq=False: hash by identity (the fields hold mappings)
 class ModelSpec:
@@ -123,25 +128,21 @@ class ModelSpec:
     pipeline_class: str
     configs: Mapping[str, Mapping[str, Any]]
     production: Production
-    #: pixels per transformer token along height and width (VAE scale factor x patch size)
-    pixel_multiple: int
     build_components: Callable[[ComponentRequest], dict]
     forward_inputs: Callable[[ForwardRequest], dict]
+    #: pixels per transformer token along height and width (VAE scale factor x patch size)
+    pixel_multiple: int = 16
     video: bool = False
     #: numbers in the configs / production settings not confirmed from a released config file
     unconfirmed: tuple[str, ...] = ()
 
     @property
     def transformer_cls(self):
-        import diffusers
-
-        return getattr(diffusers, self.transformer_class)
+        return getattr(importlib.import_module("diffusers"), self.transformer_class)
 
     @property
     def pipeline_cls(self):
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_class)
+        return getattr(importlib.import_module("diffusers"), self.pipeline_class)
 
     def config(self, name: str) -> dict[str, Any]:
         try:
@@ -181,61 +182,17 @@ def model_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-# --------------------------------------------------------------------------------------------------
-# Seeded random weights, with the dtypes from_pretrained(torch_dtype=...) leaves
-# --------------------------------------------------------------------------------------------------
-
-
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-@torch.no_grad()
-def init_random_weights(model: torch.nn.Module, seed: int, device: torch.device | str) -> None:
-    """Fill every parameter of ``model`` (already on ``device``) from a seeded generator.
-
-    Matrices / conv kernels: N(0, 1/fan_in) (keeps activations O(1) through the stack); 1-d weights
-    (norm scales): 1 + N(0, 0.02); biases: N(0, 0.02). This re-initialises the layers diffusers leaves
-    at zero (adaLN modulation, final projections), so gates and outputs are not identically zero.
-    Values are drawn in float32 one parameter at a time, in name order, then rounded to the
-    parameter's dtype, so the result depends only on (config, seed, device type, dtypes) and the peak
-    memory is the model plus one float32 parameter.
-    """
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
-        if p.dim() >= 2:
-            fan_in = math.prod(p.shape[1:])
-            tmp.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
-        elif name.endswith(".weight"):  # 1-d weights are norm scales
-            tmp.normal_(1.0, 0.02, generator=gen)
-        else:
-            tmp.normal_(0.0, 0.02, generator=gen)
-        p.copy_(tmp)
-        del tmp
+# ------------------- Seeded random weights, with the dtypes from_pretrained(torch_dtype=...) leaves
 
 
 @contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Construct under ``dtype`` as the default, as from_pretrained does (buffers made in __init__
-    from default-dtype tensors come out in it)."""
-    old = torch.get_default_dtype()
-    if dtype.is_floating_point:
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Parameters are created on the meta device (no memory, no init cost) while buffers and plain
-    tensor attributes are computed for real: the same split as accelerate's init_empty_weights, which
-    from_pretrained uses. (A ``torch.device("meta")`` context would also put the RoPE tables that some
-    models compute in ``__init__`` on meta, losing their values.)"""
-    register = torch.nn.Module.register_parameter
+def constructing(dtype: torch.dtype) -> Iterator[None]:
+    """Construct as from_pretrained does: under ``dtype`` as the default (buffers made in __init__ from
+    default-dtype tensors come out in it), parameters on the meta device (no memory, no init cost) while
+    buffers and plain tensor attributes are computed for real, accelerate's init_empty_weights split.
+    (A ``torch.device("meta")`` context would also put the RoPE tables that some models compute in
+    ``__init__`` on meta, losing their values.)"""
+    old, register = torch.get_default_dtype(), torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
         register(module, name, param)
@@ -243,68 +200,72 @@ def parameters_on_meta() -> Iterator[None]:
             p = module._parameters[name]
             module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
     torch.nn.Module.register_parameter = register_on_meta
     try:
         yield
     finally:
         torch.nn.Module.register_parameter = register
+        torch.set_default_dtype(old)
 
 
-def _in_modules(name: str, modules) -> bool:
-    parts = name.split(".")
-    return any(m in parts for m in modules)
-
-
-def fp32_rule(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
-    """Which parameter names ``from_pretrained(torch_dtype=dtype)`` keeps in float32.
+def loaded_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Callable[[str, torch.Tensor], torch.dtype]:
+    """The dtype ``from_pretrained(torch_dtype=dtype)`` leaves a named parameter (or persistent buffer)
+    in: its own if not floating, float32 where the loader keeps it so, else ``dtype``.
 
     diffusers: any name with a component in ``_keep_in_fp32_modules``, whatever the dtype (the check
     in ``load_model_dict_into_meta``). transformers: ``_keep_in_fp32_modules`` for float16 only,
     ``_keep_in_fp32_modules_strict`` for float16 and bfloat16 (matched here by name component too).
     """
-    if dtype == torch.float32:
-        return lambda name: False
-    from transformers import PreTrainedModel
-
     keep: set[str] = set()
-    if isinstance(model, PreTrainedModel):
-        if dtype == torch.float16:
+    if dtype != torch.float32:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel) or dtype == torch.float16:
             keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-        if dtype in (torch.float16, torch.bfloat16):
+        if isinstance(model, PreTrainedModel) and dtype in (torch.float16, torch.bfloat16):
             keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    else:
-        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return (lambda name: _in_modules(name, keep)) if keep else (lambda name: False)
+    return lambda name, t: (t.dtype if not t.is_floating_point()
+                            else torch.float32 if keep & set(name.split(".")) else dtype)
 
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, *, seed: int, dtype: torch.dtype, device: torch.device | str) -> None:
-    """Give a model built under :func:`parameters_on_meta` real, seeded parameters on ``device``.
+    """Give a model built under :func:`constructing` real, seeded parameters on ``device``.
 
-    Floating parameters get ``dtype`` except those the loader keeps in float32; persistent floating
-    buffers (loaded from the checkpoint by from_pretrained) follow the same rule; non-persistent
-    buffers keep the dtype they were computed in. Tied parameters stay tied.
-    """
+    Floating parameters and persistent floating buffers get ``dtype`` except those the loader keeps
+    in float32; non-persistent buffers keep the dtype they were computed in; tied parameters stay tied.
+    Matrices / conv kernels are drawn N(0, 1/fan_in) (activations stay O(1)), 1-d weights (norm scales)
+    1 + N(0, 0.02), biases N(0, 0.02): also the layers diffusers zero-initialises, so gates and outputs
+    are not identically zero. Drawn in float32 one parameter at a time in name order, then rounded:
+    the result depends only on (config, seed, device type, dtypes)."""
     device = torch.device(device)
-    keep_fp32 = fp32_rule(model, dtype)
+    loaded = loaded_dtype(model, dtype)
     made: dict[int, torch.nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for pname, p in list(module._parameters.items()):
             if p is None:
                 continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
             if id(p) not in made:
-                dt = p.dtype if not p.is_floating_point() else (torch.float32 if keep_fp32(full) else dtype)
+                dt = loaded(f"{mod_name}.{pname}" if mod_name else pname, p)
                 made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dt, device=device), requires_grad=False)
             module._parameters[pname] = made[id(p)]
         for bname, b in list(module._buffers.items()):
             if b is None:
                 continue
-            full = f"{mod_name}.{bname}" if mod_name else bname
-            if b.is_floating_point() and bname not in module._non_persistent_buffers_set:
-                b = b.to(torch.float32 if keep_fp32(full) else dtype)
+            if bname not in module._non_persistent_buffers_set:
+                b = b.to(loaded(f"{mod_name}.{bname}" if mod_name else bname, b))
             module._buffers[bname] = b.to(device)
-    init_random_weights(model, seed, device)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
+        if p.dim() >= 2:
+            tmp.normal_(0.0, 1.0 / math.sqrt(math.prod(p.shape[1:])), generator=gen)
+        else:  # 1-d weights are norm scales
+            tmp.normal_(1.0 if name.endswith(".weight") else 0.0, 0.02, generator=gen)
+        p.copy_(tmp)
+        del tmp  # peak memory: the model plus one float32 parameter
     model.eval()
     model.requires_grad_(False)
 
@@ -312,81 +273,50 @@ def materialize(model: torch.nn.Module, *, seed: int, dtype: torch.dtype, device
 def build_random(factory: Callable[[], torch.nn.Module], *, seed: int, dtype: torch.dtype,
                  device: torch.device | str) -> torch.nn.Module:
     """``factory()`` (a model constructor) with seeded random weights and from_pretrained dtypes."""
-    with default_dtype(dtype), parameters_on_meta():
+    with constructing(dtype):
         model = factory()
     materialize(model, seed=seed, dtype=dtype, device=device)
     return model
 
 
-def build_transformer(
-    name: str | ModelSpec,
-    config: str | Mapping[str, Any] = "tiny",
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-):
-    """diffusers' transformer class of model ``name`` from an embedded (or given) config, with seeded
-    random weights everywhere (also the layers diffusers zero-initialises) and the parameter dtypes
-    ``from_pretrained(torch_dtype=dtype)`` would leave: ``_keep_in_fp32_modules`` stay float32."""
+def _transformer_factory(name: str | ModelSpec, config: str | Mapping[str, Any]) -> Callable[[], torch.nn.Module]:
     spec = get_spec(name)
-    cfg = spec.resolve_config(config)
-    cls = spec.transformer_cls
-    return build_random(lambda: cls(**cfg), seed=seed, dtype=dtype, device=device)
+    cfg, cls = spec.resolve_config(config), spec.transformer_cls
+    return lambda: cls(**cfg)
+
+
+def on_meta(name: str | ModelSpec, config: str | Mapping[str, Any], dtype: torch.dtype = torch.float32):
+    """The transformer of ``name`` / ``config`` with its parameters on the meta device (nothing allocated)."""
+    with constructing(dtype):
+        return _transformer_factory(name, config)()
+
+
+def build_transformer(name: str | ModelSpec, config: str | Mapping[str, Any] = "tiny", *, seed: int = 0,
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """diffusers' transformer class of model ``name`` from an embedded (or given) config, with seeded
+    random weights and the parameter dtypes ``from_pretrained(torch_dtype=dtype)`` would leave."""
+    return build_random(_transformer_factory(name, config), seed=seed, dtype=dtype, device=device)
 
 
 def estimate_bytes(name: str | ModelSpec, config: str | Mapping[str, Any], dtype: torch.dtype) -> int:
-    """Parameter memory of a transformer config in ``dtype`` (fp32-kept modules at 4 bytes), computed
-    on the meta device (nothing allocated)."""
-    spec = get_spec(name)
-    cfg = spec.resolve_config(config)
-    cls = spec.transformer_cls
-    with default_dtype(dtype), parameters_on_meta():
-        model = cls(**cfg)
-    keep_fp32 = fp32_rule(model, dtype)
-    total = 0
-    for pname, p in model.named_parameters():
-        dt = p.dtype if not p.is_floating_point() else (torch.float32 if keep_fp32(pname) else dtype)
-        total += p.numel() * torch.empty((), dtype=dt).element_size()
-    return total
+    """Parameter memory of a transformer config in ``dtype`` (fp32-kept modules at 4 bytes)."""
+    model = on_meta(name, config, dtype)
+    loaded = loaded_dtype(model, dtype)
+    return sum(p.numel() * torch.empty((), dtype=loaded(n, p)).element_size() for n, p in model.named_parameters())
 
 
-# --------------------------------------------------------------------------------------------------
-# Pipelines and single-forward inputs
-# --------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------- Pipelines and single-forward inputs
 
 
-def build_components(
-    name: str | ModelSpec,
-    config: str | Mapping[str, Any] = "tiny",
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> dict:
-    """The pipeline's components other than the transformer: tiny offline tokenizers and text encoders
-    that emit the feature widths ``config`` expects, a tiny VAE with the production scale factor, and
-    a scheduler."""
-    spec = get_spec(name)
-    req = ComponentRequest(spec, frozen(spec.resolve_config(config)), int(seed), dtype, torch.device(device))
-    return spec.build_components(req)
-
-
-def build_pipeline(
-    name: str | ModelSpec,
-    config: str | Mapping[str, Any] = "tiny",
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-):
-    """diffusers' own pipeline class of model ``name`` around a seeded random transformer and tiny
-    offline components, ready for ``pipe(prompt=..., num_inference_steps=N, height=H, width=W,
-    generator=..., output_type="latent")``. The progress bar is off (``set_progress_bar_config``)."""
+def build_pipeline(name: str | ModelSpec, config: str | Mapping[str, Any] = "tiny", *, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """diffusers' own pipeline class of model ``name`` around a seeded random transformer and tiny offline
+    components (text encoders emitting the widths ``config`` expects, a VAE with the production scale
+    factor, a scheduler), ready for ``pipe(..., output_type="latent")``; its progress bar is off."""
     spec = get_spec(name)
     transformer = build_transformer(spec, config, seed=seed, dtype=dtype, device=device)
-    components = build_components(spec, config, seed=seed, dtype=dtype, device=device)
-    pipe = spec.pipeline_cls(transformer=transformer, **components)
+    req = ComponentRequest(spec, frozen(spec.resolve_config(config)), int(seed), dtype, torch.device(device))
+    pipe = spec.pipeline_cls(transformer=transformer, **spec.build_components(req))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -402,42 +332,19 @@ def _check_geometry(spec: ModelSpec, height: int, width: int, num_frames: int | 
         raise ValueError(f"{spec.name} is an image model; num_frames must be None")
 
 
-def default_text_lens(spec: ModelSpec, batch: int) -> tuple[int, ...]:
-    prod = spec.production
-    if prod.forward_batch == 2 and batch % 2 == 0:
-        half = batch // 2
-        cond, uncond = (prod.prompt_len,) * half, (prod.negative_prompt_len,) * half
-        return uncond + cond if prod.cfg_rows == "uncond,cond" else cond + uncond
-    return (prod.prompt_len,) * batch
-
-
-def forward_inputs(
-    name: str | ModelSpec,
-    transformer,
-    *,
-    height: int | None = None,
-    width: int | None = None,
-    num_frames: int | None = None,
-    batch: int | None = None,
-    text_len: int | Sequence[int] | None = None,
-    max_text_len: int | None = None,
-    sigma: float = 0.7,
-    seed: int = 0,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> dict[str, Any]:
+def forward_inputs(name: str | ModelSpec, transformer, *, height: int | None = None, width: int | None = None,
+                   num_frames: int | None = None, batch: int | None = None,
+                   text_len: int | Sequence[int] | None = None, max_text_len: int | None = None,
+                   sigma: float = 0.7, seed: int = 0, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Keyword arguments of ONE ``transformer`` forward as the model's pipeline passes them for an
-    image (video) of ``height`` x ``width`` (x ``num_frames``) pixels, without text encoders or VAE.
+    image (video) of ``height`` x ``width`` (x ``num_frames``) pixels; unset geometry is production's.
 
-    ``batch``: rows of the call (default: the production setting, 2 where the pipeline batches
-    classifier-free guidance). ``text_len``: real prompt tokens, one int for every row or one per row
-    (default: the spec's typical prompt, and its negative-prompt length for the uncond rows of a
-    batched-CFG call). ``max_text_len``: the pipeline's ``max_sequence_length`` (default: production).
-    ``sigma``: noise level of the step (timestep ``1000 * sigma`` in the pipeline's units and dtype).
-    Random tensors are drawn from a CPU generator seeded with ``seed`` (device-independent) in
-    float32 and cast to ``dtype`` (default: ``transformer.dtype``, what the pipelines use).
-    Unspecified geometry is the production one. Pass the result as ``transformer(**kw, return_dict=False)``.
-    """
+    ``batch``: rows (default: production's, 2 where the pipeline batches CFG). ``text_len``: real prompt
+    tokens, one int or one per row (default: the typical prompt, the negative prompt's length on uncond
+    rows). ``max_text_len``: the pipeline's ``max_sequence_length``. ``sigma``: the step's noise level.
+    Random tensors come from a CPU generator seeded with ``seed``, in float32, cast to ``dtype``
+    (default ``transformer.dtype``). Call ``transformer(**kw, return_dict=False)``."""
     spec = get_spec(name)
     prod = spec.production
     height = prod.height if height is None else int(height)
@@ -449,7 +356,10 @@ def forward_inputs(
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if text_len is None:
-        lens = default_text_lens(spec, batch)
+        lens = (prod.prompt_len,) * batch
+        if prod.forward_batch == 2 and batch % 2 == 0:
+            cond, uncond = (prod.prompt_len,) * (batch // 2), (prod.negative_prompt_len,) * (batch // 2)
+            lens = uncond + cond if prod.cfg_rows == "uncond,cond" else cond + uncond
     elif isinstance(text_len, int):
         lens = (int(text_len),) * batch
     else:
@@ -474,29 +384,17 @@ def run_forward(transformer, inputs: Mapping[str, Any]):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def pipeline_call_kwargs(
-    name: str | ModelSpec,
-    *,
-    prompt: str = "a photo of a cat",
-    height: int | None = None,
-    width: int | None = None,
-    num_frames: int | None = None,
-    steps: int | None = None,
-    seed: int = 0,
-    output_type: str = "latent",
-) -> dict[str, Any]:
+def pipeline_call_kwargs(name: str | ModelSpec, *, prompt: str = "a photo of a cat", height: int | None = None,
+                         width: int | None = None, num_frames: int | None = None, steps: int | None = None,
+                         seed: int = 0, output_type: str = "latent") -> dict[str, Any]:
     """``pipe(**kw)`` arguments for a production-style call (guidance, negative prompt, sequence
     length as the model card runs it); geometry and steps default to production."""
     spec = get_spec(name)
     prod = spec.production
-    kw: dict[str, Any] = dict(
-        prompt=prompt,
-        height=prod.height if height is None else height,
-        width=prod.width if width is None else width,
-        num_inference_steps=prod.steps if steps is None else steps,
-        generator=torch.Generator("cpu").manual_seed(int(seed)),
-        output_type=output_type,
-    )
+    kw: dict[str, Any] = dict(prompt=prompt, height=prod.height if height is None else height,
+                              width=prod.width if width is None else width,
+                              num_inference_steps=prod.steps if steps is None else steps,
+                              generator=torch.Generator("cpu").manual_seed(int(seed)), output_type=output_type)
     if prod.guidance_scale is not None:
         kw["guidance_scale"] = prod.guidance_scale
     if spec.video:

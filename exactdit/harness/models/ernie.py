@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -35,22 +35,16 @@ CONFIGS = {
 PRODUCTION_VAE_CHANNELS = (8, 8, 8, 8)
 
 
-def ernie_components(config: Mapping[str, Any], *, seed: int, dtype, device,
-                     vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
-    tokenizer = C.build_tiny_tokenizer()
+def build_components(req: ComponentRequest, vae_channels: Sequence[int] = PRODUCTION_VAE_CHANNELS) -> dict:
+    tokenizer = C.build_word_tokenizer(model_max_length=64, whitespace=True)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.mistral3_text_encoder(config["text_in_dim"], tokenizer, seed=seed + C.SEED_TEXT,
-                                             dtype=dtype, device=device),
+        text_encoder=C.mistral3_text_encoder(req.config["text_in_dim"], tokenizer, **req.part(C.SEED_TEXT)),
         # the transformer sees 2x2-patchified VAE latents
-        vae=C.autoencoder_kl_flux2(config["in_channels"] // 4, seed=seed + C.SEED_VAE, dtype=dtype,
-                                   device=device, block_out_channels=vae_channels),
+        vae=C.autoencoder_kl_flux2(req.config["in_channels"] // 4, block_out_channels=vae_channels,
+                                   **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(),
     )
-
-
-def build_components(req: ComponentRequest) -> dict:
-    return ernie_components(req.config, seed=req.seed, dtype=req.dtype, device=req.device)
 
 
 def forward_inputs(req: ForwardRequest) -> dict:
@@ -63,27 +57,21 @@ def forward_inputs(req: ForwardRequest) -> dict:
     text = torch.zeros((req.batch, max(req.text_lens), cfg.text_in_dim), dtype=req.dtype)
     for i, n in enumerate(req.text_lens):
         text[i, :n] = torch.randn((n, cfg.text_in_dim), generator=gen).to(req.dtype)
-    return dict(
-        hidden_states=latents.to(device=req.device, dtype=req.dtype),
-        timestep=torch.full((req.batch,), 1000.0 * req.sigma, device=req.device, dtype=req.dtype),
-        text_bth=text.to(req.device),
-        text_lens=torch.tensor(req.text_lens, dtype=torch.long, device=req.device),
-    )
+    return dict(hidden_states=latents.to(device=req.device, dtype=req.dtype),
+                timestep=torch.full((req.batch,), 1000.0 * req.sigma, device=req.device, dtype=req.dtype),
+                text_bth=text.to(req.device),
+                text_lens=torch.tensor(req.text_lens, dtype=torch.long, device=req.device))
 
 
 ERNIE = register(ModelSpec(
-    name="ernie",
-    description="ERNIE-Image (8B single-stream DiT, Mistral3 text features, Flux2 VAE)",
-    transformer_class="ErnieImageTransformer2DModel",
-    pipeline_class="ErnieImagePipeline",
+    name="ernie", description="ERNIE-Image (8B single-stream DiT, Mistral3 text features, Flux2 VAE)",
+    transformer_class="ErnieImageTransformer2DModel", pipeline_class="ErnieImagePipeline",
     configs=frozen(CONFIGS),
     # ErnieImagePipeline's defaults; CFG batches [uncond, cond]; the empty negative prompt is one
     # token (BOS) with the Mistral tokenizer (assumed, not checked against the released tokenizer).
     production=Production(height=1024, width=1024, steps=50, guidance_scale=4.0, max_text_len=1024,
                           prompt_len=128, negative_prompt_len=1, cfg_rows="uncond,cond"),
-    pixel_multiple=16,
-    build_components=build_components,
-    forward_inputs=forward_inputs,
+    build_components=build_components, forward_inputs=forward_inputs,
     unconfirmed=("negative_prompt_len=1 (BOS of the empty negative prompt)",
                  "max_text_len: the pipeline truncates only at the tokenizer's model_max_length"),
 ))

@@ -8,6 +8,8 @@ guidance either distilled (Flux: a ``guidance`` input) or as two separate calls 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import components as C
@@ -54,20 +56,17 @@ FLUX_DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, 
 
 def _t5(req: ComponentRequest, max_len: int, seed_offset: int = C.SEED_TEXT_2):
     tokenizer = C.build_word_tokenizer(model_max_length=max_len, add_eos=True)
-    encoder = C.t5_encoder(req.config["joint_attention_dim"], tokenizer, seed=req.seed + seed_offset,
-                           dtype=req.dtype, device=req.device)
+    encoder = C.t5_encoder(req.config["joint_attention_dim"], tokenizer, **req.part(seed_offset))
     return tokenizer, encoder
 
 
 def _vae(req: ComponentRequest):
-    return C.autoencoder_kl(req.config["in_channels"] // 4, seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                            device=req.device)
+    return C.autoencoder_kl(req.config["in_channels"] // 4, **req.part(C.SEED_VAE))
 
 
 def flux_components(req: ComponentRequest, scheduler: dict) -> dict:
     clip_tok = C.build_word_tokenizer(model_max_length=77, add_bos=True, add_eos=True)
-    clip = C.clip_text_encoder(req.config["pooled_projection_dim"], clip_tok, seed=req.seed + C.SEED_TEXT,
-                               dtype=req.dtype, device=req.device)
+    clip = C.clip_text_encoder(req.config["pooled_projection_dim"], clip_tok, **req.part(C.SEED_TEXT))
     t5_tok, t5 = _t5(req, 512)
     return dict(tokenizer=clip_tok, text_encoder=clip, tokenizer_2=t5_tok, text_encoder_2=t5, vae=_vae(req),
                 scheduler=C.flow_match_scheduler(**scheduler))
@@ -91,102 +90,69 @@ def _packed_latents(req: ForwardRequest, gen) -> tuple[torch.Tensor, torch.Tenso
     return latents, img_ids
 
 
-def _timestep(req: ForwardRequest) -> torch.Tensor:
-    # the pipeline: t.expand(B).to(latents.dtype), then / 1000 in that dtype
-    t = torch.full((req.batch,), 1000.0 * req.sigma, dtype=torch.float32, device=req.device)
-    return t.to(req.dtype) / 1000
+def _shared_inputs(req: ForwardRequest) -> tuple[torch.Generator, dict]:
+    """Flux's and Chroma's: packed latents, T5 features [B, max_text_len, 4096] (every prompt padded to
+    max_sequence_length), txt_ids zeros [T, 3], img_ids [(H/16)*(W/16), 3]; and the generator drawn from."""
+    gen = req.generator()
+    latents, img_ids = _packed_latents(req, gen)
+    text = req.randn(gen, req.batch, req.max_text_len, req.transformer.config.joint_attention_dim)
+    return gen, dict(hidden_states=latents, timestep=req.timestep(), encoder_hidden_states=text,
+                     txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype), img_ids=img_ids,
+                     joint_attention_kwargs={})
 
 
 def flux_forward_inputs(req: ForwardRequest) -> dict:
-    """T5 features [B, max_text_len, 4096] (every prompt padded to max_sequence_length, no mask), CLIP
-    pooled [B, 768], txt_ids zeros [T, 3], img_ids [(H/16)*(W/16), 3], guidance float32 when the model
-    embeds it."""
+    """The shared inputs (no mask), CLIP pooled [B, 768], guidance float32 when the model embeds it."""
     cfg = req.transformer.config
-    gen = req.generator()
-    latents, img_ids = _packed_latents(req, gen)
-    text = req.randn(gen, req.batch, req.max_text_len, cfg.joint_attention_dim)
-    pooled = req.randn(gen, req.batch, cfg.pooled_projection_dim)
-    guidance = None
-    if cfg.guidance_embeds:
-        scale = req.spec.production.guidance_scale
-        guidance = torch.full([1], scale, device=req.device, dtype=torch.float32).expand(req.batch)
-    return dict(
-        hidden_states=latents,
-        timestep=_timestep(req),
-        guidance=guidance,
-        pooled_projections=pooled,
-        encoder_hidden_states=text,
-        txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
-        img_ids=img_ids,
-        joint_attention_kwargs={},
-    )
+    gen, kw = _shared_inputs(req)
+    return dict(kw, pooled_projections=req.randn(gen, req.batch, cfg.pooled_projection_dim),
+                guidance=req.guidance(req.spec.production.guidance_scale) if cfg.guidance_embeds else None)
 
 
 def chroma_forward_inputs(req: ForwardRequest) -> dict:
-    """As Flux without pooled / guidance inputs, plus the attention mask: the prompt's tokens and the
-    first padding token of each row, then every image token."""
+    """The shared inputs and the attention mask: the prompt's tokens and the first padding token of each
+    row, then every image token."""
     from diffusers import ChromaPipeline
 
-    cfg = req.transformer.config
-    gen = req.generator()
-    latents, img_ids = _packed_latents(req, gen)
-    text = req.randn(gen, req.batch, req.max_text_len, cfg.joint_attention_dim)
+    _, kw = _shared_inputs(req)
     real = torch.tensor([min(n, req.max_text_len) for n in req.text_lens], device=req.device)
     positions = torch.arange(req.max_text_len, device=req.device).unsqueeze(0).expand(req.batch, -1)
     text_mask = (positions <= real.unsqueeze(1)).to(dtype=req.dtype)
     # the pipeline's own helper (it does not use the pipeline instance)
-    mask = ChromaPipeline._prepare_attention_mask(None, batch_size=req.batch, sequence_length=latents.shape[1],
-                                                  dtype=req.dtype, attention_mask=text_mask)
-    return dict(
-        hidden_states=latents,
-        timestep=_timestep(req),
-        encoder_hidden_states=text,
-        txt_ids=torch.zeros(req.max_text_len, 3, device=req.device, dtype=req.dtype),
-        img_ids=img_ids,
-        attention_mask=mask,
-        joint_attention_kwargs={},
-    )
+    mask = ChromaPipeline._prepare_attention_mask(None, batch_size=req.batch, dtype=req.dtype,
+                                                  sequence_length=kw["hidden_states"].shape[1],
+                                                  attention_mask=text_mask)
+    return dict(kw, attention_mask=mask)
 
 
 FLUX = register(ModelSpec(
-    name="flux",
-    description="FLUX.1-dev (12B MMDiT, guidance-distilled; T5-XXL + CLIP-L)",
-    transformer_class="FluxTransformer2DModel",
-    pipeline_class="FluxPipeline",
+    name="flux", description="FLUX.1-dev (12B MMDiT, guidance-distilled; T5-XXL + CLIP-L)",
+    transformer_class="FluxTransformer2DModel", pipeline_class="FluxPipeline",
     configs=frozen(FLUX_CONFIGS),
     production=Production(height=1024, width=1024, steps=50, guidance_scale=3.5, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: flux_components(req, FLUX_DEV_SCHEDULER),
     forward_inputs=flux_forward_inputs,
     unconfirmed=("scheduler shift settings (FLUX_DEV_SCHEDULER) from memory of the released scheduler config",),
 ))
 
-FLUX_SCHNELL = register(ModelSpec(
-    name="flux-schnell",
-    description="FLUX.1-schnell (FLUX.1 without guidance embedding; 4 steps, 256 text tokens)",
-    transformer_class="FluxTransformer2DModel",
-    pipeline_class="FluxPipeline",
+FLUX_SCHNELL = register(replace(
+    FLUX,
+    name="flux-schnell", description="FLUX.1-schnell (FLUX.1 without guidance embedding; 4 steps, 256 text tokens)",
     configs=frozen(SCHNELL_CONFIGS),
     production=Production(height=1024, width=1024, steps=4, guidance_scale=0.0, max_text_len=256,
                           call_kwargs=frozen(dict(max_sequence_length=256))),
-    pixel_multiple=16,
     build_components=lambda req: flux_components(req, dict(shift=1.0, use_dynamic_shifting=False)),
-    forward_inputs=flux_forward_inputs,
     unconfirmed=("scheduler: shift 1.0 without dynamic shifting",),
 ))
 
 CHROMA = register(ModelSpec(
-    name="chroma",
-    description="Chroma1-HD (Flux-derived 8.9B, T5 only, real CFG, approximator modulation)",
-    transformer_class="ChromaTransformer2DModel",
-    pipeline_class="ChromaPipeline",
+    name="chroma", description="Chroma1-HD (Flux-derived 8.9B, T5 only, real CFG, approximator modulation)",
+    transformer_class="ChromaTransformer2DModel", pipeline_class="ChromaPipeline",
     configs=frozen(CHROMA_CONFIGS),
     # the Chroma1-HD demo's settings: 1024x1024, 40 steps, CFG 3.0 (two calls) with a negative prompt
     production=Production(height=1024, width=1024, steps=40, guidance_scale=3.0, max_text_len=512,
                           call_kwargs=frozen(dict(negative_prompt="low quality, blurry"))),
-    pixel_multiple=16,
-    build_components=chroma_components,
-    forward_inputs=chroma_forward_inputs,
+    build_components=chroma_components, forward_inputs=chroma_forward_inputs,
     unconfirmed=("full: ChromaTransformer2DModel's class defaults taken as the Chroma1-HD config",
                  "production 40 steps / CFG 3.0 from the Chroma1-HD demo Space, not the model card",
                  "scheduler settings copied from FLUX.1-dev"),

@@ -36,10 +36,8 @@ def build_components(req: ComponentRequest) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=2048, chat=True)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.qwen25vl_text_encoder(req.config["joint_attention_dim"], tokenizer,
-                                             seed=req.seed + C.SEED_TEXT, dtype=req.dtype, device=req.device),
-        vae=C.autoencoder_kl_qwenimage(req.config["out_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                                       device=req.device),
+        text_encoder=C.qwen25vl_text_encoder(req.config["joint_attention_dim"], tokenizer, **req.part(C.SEED_TEXT)),
+        vae=C.wan_style_vae("AutoencoderKLQwenImage", req.config["out_channels"], **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(use_dynamic_shifting=True),
     )
 
@@ -65,20 +63,10 @@ def forward_inputs(req: ForwardRequest) -> dict:
         for i, n in enumerate(lens):
             mask[i, :n] = 1
         text = text * mask.unsqueeze(-1).to(text.dtype)
-    guidance = None
-    if cfg.guidance_embeds:
-        guidance = torch.full([1], req.spec.production.guidance_scale or 1.0, device=req.device,
-                              dtype=torch.float32).expand(req.batch)
-    t = torch.full((req.batch,), 1000.0 * req.sigma, dtype=torch.float32, device=req.device)
-    return dict(
-        hidden_states=latents,
-        timestep=t.to(req.dtype) / 1000,
-        guidance=guidance,
-        encoder_hidden_states_mask=mask,
-        encoder_hidden_states=text,
-        img_shapes=[[(1, req.height // 16, req.width // 16)]] * req.batch,
-        attention_kwargs={},
-    )
+    return dict(hidden_states=latents, timestep=req.timestep(),
+                guidance=req.guidance(req.spec.production.guidance_scale or 1.0) if cfg.guidance_embeds else None,
+                encoder_hidden_states_mask=mask, encoder_hidden_states=text,
+                img_shapes=[[(1, req.height // 16, req.width // 16)]] * req.batch, attention_kwargs={})
 
 
 #: Qwen-Image-Edit-2511's transformer config on top of Qwen-Image's (same class): the condition
@@ -98,17 +86,13 @@ def with_condition_image(kw: dict, *, seed: int = 0) -> dict:
 
 
 QWEN = register(ModelSpec(
-    name="qwen",
-    description="Qwen-Image (20B MMDiT, Qwen2.5-VL-7B text features, Wan-style VAE)",
-    transformer_class="QwenImageTransformer2DModel",
-    pipeline_class="QwenImagePipeline",
+    name="qwen", description="Qwen-Image (20B MMDiT, Qwen2.5-VL-7B text features, Wan-style VAE)",
+    transformer_class="QwenImageTransformer2DModel", pipeline_class="QwenImagePipeline",
     configs=frozen(CONFIGS),
     # model card: 1328x1328 for 1:1, 50 steps, true CFG 4.0 with a one-space negative prompt (two calls)
     production=Production(height=1328, width=1328, steps=50, guidance_scale=None, max_text_len=512,
                           call_kwargs=frozen(dict(true_cfg_scale=4.0, negative_prompt=" "))),
-    pixel_multiple=16,
-    build_components=build_components,
-    forward_inputs=forward_inputs,
+    build_components=build_components, forward_inputs=forward_inputs,
     # full (60 blocks, 24x128 heads, 3584-d text, 64 -> 16 channels, patch 2) agrees with the class
     # defaults and independent ports; 1328x1328 / 50 steps / true CFG 4.0 / " " with the model card example
     unconfirmed=("full: axes_dims_rope (16, 56, 56) is the class default, not read from the released config",

@@ -8,6 +8,8 @@ keeps ``_keep_in_fp32_modules`` (RoPE, time embedder, modulation tables, norms) 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import components as C
@@ -44,10 +46,8 @@ def _components(req: ComponentRequest, flow_shift: float) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=512, add_eos=True)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, seed=req.seed + C.SEED_TEXT,
-                                  dtype=req.dtype, device=req.device),
-        vae=C.autoencoder_kl_wan(req.config["in_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                                 device=req.device),
+        text_encoder=C.t5_encoder(req.config["text_dim"], tokenizer, umt5=True, **req.part(C.SEED_TEXT)),
+        vae=C.wan_style_vae("AutoencoderKLWan", req.config["in_channels"], **req.part(C.SEED_VAE)),
         # the released checkpoints' flow-matching UniPC solver
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           num_train_timesteps=1000, flow_shift=flow_shift),
@@ -81,36 +81,24 @@ def forward_inputs(req: ForwardRequest) -> dict:
     return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, attention_kwargs=None)
 
 
-# dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)
-_UNCONFIRMED = (
-    "full: rope_max_seq_len and the diffusers-only keys are WanTransformer3DModel's class defaults",
-    "production flow_shift 5.0 (720p) / 3.0 (480p), 50 steps, guidance 5.0 as in the diffusers docs' example",
-)
-
 WAN = register(ModelSpec(
-    name="wan",
-    description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
-    transformer_class="WanTransformer3DModel",
-    pipeline_class="WanPipeline",
+    name="wan", description="Wan2.1-T2V-14B (video DiT, UMT5-XXL text features, Wan VAE)",
+    transformer_class="WanTransformer3DModel", pipeline_class="WanPipeline",
     configs=frozen(CONFIGS_14B),
     production=Production(height=720, width=1280, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: _components(req, flow_shift=5.0),
     forward_inputs=forward_inputs,
     video=True,
-    unconfirmed=_UNCONFIRMED,
+    # dim / FFN / heads / layers / 512 text tokens agree with the original Wan2.1 configs (t2v_14B, t2v_1_3B)
+    unconfirmed=("full: rope_max_seq_len and the diffusers-only keys are WanTransformer3DModel's class defaults",
+                 "production flow_shift 5.0 (720p) / 3.0 (480p), 50 steps, guidance 5.0 as in the diffusers docs' "
+                 "example"),
 ))
 
-WAN_1_3B = register(ModelSpec(
-    name="wan-1.3b",
-    description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
-    transformer_class="WanTransformer3DModel",
-    pipeline_class="WanPipeline",
+WAN_1_3B = register(replace(
+    WAN,
+    name="wan-1.3b", description="Wan2.1-T2V-1.3B (video DiT, UMT5-XXL text features, Wan VAE)",
     configs=frozen(CONFIGS_1_3B),
     production=Production(height=480, width=832, num_frames=81, steps=50, guidance_scale=5.0, max_text_len=512),
-    pixel_multiple=16,
     build_components=lambda req: _components(req, flow_shift=3.0),
-    forward_inputs=forward_inputs,
-    video=True,
-    unconfirmed=_UNCONFIRMED,
 ))

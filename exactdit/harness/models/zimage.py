@@ -36,11 +36,9 @@ def build_components(req: ComponentRequest) -> dict:
     tokenizer = C.build_word_tokenizer(model_max_length=512, chat=True, chat_template=C.QWEN3_CHAT_TEMPLATE)
     return dict(
         tokenizer=tokenizer,
-        text_encoder=C.qwen3_text_encoder(req.config["cap_feat_dim"], tokenizer, seed=req.seed + C.SEED_TEXT,
-                                          dtype=req.dtype, device=req.device),
+        text_encoder=C.qwen3_text_encoder(req.config["cap_feat_dim"], tokenizer, **req.part(C.SEED_TEXT)),
         # the Flux VAE layout: 8x, 16 latent channels
-        vae=C.autoencoder_kl(req.config["in_channels"], seed=req.seed + C.SEED_VAE, dtype=req.dtype,
-                             device=req.device),
+        vae=C.autoencoder_kl(req.config["in_channels"], **req.part(C.SEED_VAE)),
         scheduler=C.flow_match_scheduler(shift=3.0),
     )
 
@@ -55,26 +53,18 @@ def forward_inputs(req: ForwardRequest) -> dict:
     latents = req.randn(gen, req.batch, cfg.in_channels, h, w)
     caps = [req.randn(gen, min(n, req.max_text_len), cfg.cap_feat_dim) for n in req.text_lens]
     t = torch.full((req.batch,), 1000.0 * req.sigma, dtype=torch.float32, device=req.device)
-    return dict(
-        x=list(latents.unsqueeze(2).unbind(dim=0)),
-        t=(1000 - t) / 1000,
-        cap_feats=caps,
-        joint_attention_kwargs=None,
-    )
+    return dict(x=list(latents.unsqueeze(2).unbind(dim=0)), t=(1000 - t) / 1000, cap_feats=caps,
+                joint_attention_kwargs=None)
 
 
 ZIMAGE = register(ModelSpec(
-    name="zimage",
-    description="Z-Image-Turbo (6B single-stream DiT, Qwen3-4B text features, Flux VAE)",
-    transformer_class="ZImageTransformer2DModel",
-    pipeline_class="ZImagePipeline",
+    name="zimage", description="Z-Image-Turbo (6B single-stream DiT, Qwen3-4B text features, Flux VAE)",
+    transformer_class="ZImageTransformer2DModel", pipeline_class="ZImagePipeline",
     configs=frozen(CONFIGS),
     # Turbo: 9 scheduler steps (8 transformer evaluations), no CFG
     production=Production(height=1024, width=1024, steps=9, guidance_scale=0.0, max_text_len=512,
                           cfg_rows="cond,uncond"),
-    pixel_multiple=16,
-    build_components=build_components,
-    forward_inputs=forward_inputs,
+    build_components=build_components, forward_inputs=forward_inputs,
     # dim 3840 / 30 heads / 30 layers + 2 refiner layers and 9 steps / guidance 0.0 / 1024x1024 agree with
     # public descriptions and diffusers' integration example; the rest are the class defaults
     unconfirmed=("full: norm_eps, axes_dims/axes_lens, rope_theta: ZImageTransformer2DModel's class defaults",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 runs, in stages, logs under $OUT (the device tool brings them back).
-#   bash benchmarks/run_on_device.sh tests     GPU test suite (torch.equal vs CUDA eager)
+#   bash benchmarks/run_on_device.sh tests     GPU test suite (torch.equal vs CUDA eager) but for the minis and the rules:
+#                                              with minis-tests and rules-tests (below) the whole suite in three calls
 # The engine (exactdit.patch on any model; one 10-minute device call fits all five):
 #   engine-equality  Flux.1-dev forwards at 1024^2 B=1 and 768x1360 B=2, 28-step FluxPipeline md5, test configs
 #   engine-bench     Flux.1-dev 1024^2 B=1: eager, exactdit (kernel-time breakdown, clock, power), regional compile
@@ -63,7 +64,8 @@ for stage in "$@"; do
   case "$stage" in
     tests)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
-      timeout 400 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
+      timeout 500 python3 -m pytest -q -p no:cacheprovider --maxfail=30 -m gpu tests --ignore=tests/minis \
+        --ignore=tests/engine/test_gpu_rules.py -rf 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\." | tail -40 ;;
     engine-equality)
       timeout 165 python3 benchmarks/models/engine_equality.py --model flux --config full --forward 1024x1024x1 768x1360x2 \
         --sample-steps 28 --test-configs 2>&1 | grep -v Warn | tee "$OUT/flux_equality.log" | tail -8 ;;
@@ -73,11 +75,11 @@ for stage in "$@"; do
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
+      timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -rf 2>&1 | grep -v Warn | \
         tee "$OUT/gpu_minis_tests.log" | tail -40 ;;
     rules-tests)
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/device/test_numerics.py 2>&1 | tee "$OUT/numerics_on_gpu.log" | tail -2
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -rf 2>&1 | \
+      timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_rules.py -rf 2>&1 | \
         grep -v Warn | tee "$OUT/gpu_rules_tests.log" | tail -30 ;;
     engine-ernie)
       timeout 240 python3 benchmarks/models/engine_equality.py --model ernie --config full --forward 1024x1024x1 512x512x1 \

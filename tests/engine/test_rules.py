@@ -151,3 +151,25 @@ def test_a_tie_probe_that_cannot_run_refuses_without_remembering(monkeypatch):
     monkeypatch.setattr(torch, "tensor", no_device)
     assert aten_ops.cuda_zero_ties_as_modelled(0) == (False, False)
     assert aten_ops._ZERO_TIES == {}
+
+
+def test_only_a_0_dim_fp32_tensor_on_the_ops_device_is_cast_on_load():
+    """A 0-dim tensor on another device (a CPU scalar meeting a CUDA tensor: ATen reads it unrounded),
+    one that is not fp32, or a result that is not half precision: left to the other rules."""
+    from exactdit.engine.aten_ops import _cast_on_load
+
+    g = torch.fx.Graph()
+
+    def node(val):
+        n = g.placeholder(f"x{len(g.nodes)}")
+        n.meta["val"] = val
+        return n
+
+    x = node(torch.empty(2, 3, dtype=torch.bfloat16))
+    for scale, out, taken in [(torch.empty(()), torch.bfloat16, True), (torch.empty((), device="meta"), torch.bfloat16, False),
+                              (torch.empty((), dtype=torch.float64), torch.bfloat16, False),
+                              (torch.empty(()), torch.float32, False), (torch.empty(1), torch.bfloat16, False)]:
+        s = node(scale)
+        mul = g.call_function(aten.mul.Tensor, (x, s))
+        mul.meta["val"] = torch.empty(2, 3, dtype=out)
+        assert _cast_on_load(mul) == ({s} if taken else set()), (scale, out)

@@ -78,12 +78,9 @@ def main() -> None:
             row("its launch plan alone (compiled launchers)", per_call_us(lambda: fast(*inputs), args.calls, sync))
         else:
             print("no launch plan: this Triton's launch convention is not the one exactdit.device.launch knows", flush=True)
-        launches = region._launches(inputs[0].device)
         outs = region._fused(*inputs)
-        tensors = (inputs, outs, region._tables(inputs[0].device)[0])
-        strides = ([t.stride() for t in inputs], region._out_strides)
-        bare = [(ln.fn[ln.grid], [tensors[k][i] if d < 0 else strides[k][i][d] for k, i, d in ln.params], ln.kwargs)
-                for ln in launches]
+        bare = [(ln.fn[ln.grid], list(args), ln.kwargs)
+                for ln, args in region._arguments(inputs[0].device, inputs, outs, [o.stride() for o in outs])]
 
         def launch_only():
             for fn, a, kw in bare:

@@ -9,7 +9,10 @@ that. The phases, each timed with ``time.perf_counter`` where the engine does th
 * ``partition``: :func:`exactdit.engine.backend.rewrite` (preparing the graph, choosing regions,
   building the rewritten graph) less kernel source generation;
 * ``codegen``: kernel sources generated from a region's templates, and written and imported;
-* ``compile``: Triton compiling a kernel (its first launch for one specialisation);
+* ``workers``: waiting for the kernels Triton's compile workers compile ahead (counted: those they
+  compiled; :mod:`exactdit.device.compile_workers`);
+* ``compile``: Triton compiling a kernel (its first launch for one specialisation; for a kernel a
+  worker compiled, loading it from Triton's cache);
 * ``layout``: the region's ATen nodes run once per input layout to read eager's output layout;
 * ``plans``: launch plans built for a verified layout, and the fused / split GEMM timing;
 * ``verify``: the gate's first call of a signature (fused kernel, ATen reference, comparison);
@@ -33,9 +36,9 @@ import time
 
 from exactdit.state import STATE
 
-PHASES = ("capture", "partition", "codegen", "compile", "layout", "plans", "verify", "other")
+PHASES = ("capture", "partition", "codegen", "workers", "compile", "layout", "plans", "verify", "other")
 #: what each phase counts (shown beside its seconds)
-UNITS = {"capture": "graphs", "partition": "graphs", "codegen": "kernels", "compile": "kernels",
+UNITS = {"capture": "graphs", "partition": "graphs", "codegen": "kernels", "workers": "kernels", "compile": "kernels",
          "layout": "layouts", "plans": "layouts", "verify": "signatures", "other": "graphs"}
 
 _account: dict[str, dict[str, list]] = STATE.first_calls

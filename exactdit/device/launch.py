@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from exactdit.device import compile_workers
 from exactdit.device.numerics import INTERPRET
 
 #: The launch statement of ``JITFunction.run`` whose argument order :func:`compile_for`'s launcher expects.
@@ -85,6 +86,19 @@ def _knobs():
     return knobs
 
 
+class StandIn:
+    """What Triton's specialisation reads of a tensor argument, for compiling before the tensor
+    exists: its dtype and its address modulo 16 (the caching allocator's blocks start aligned;
+    a view may not)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.shape = t.dtype, [1]
+        self._offset = (t.storage_offset() * t.element_size()) % 16
+
+    def data_ptr(self) -> int:
+        return self._offset
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledLaunch:
     """A compiled kernel ready to launch: ``call(*head, stream, *tail, *arguments)`` launches it on
@@ -100,6 +114,7 @@ class CompiledLaunch:
 def compile_for(fn, grid: tuple[int, ...], args: tuple, kwargs: dict, device: torch.device) -> CompiledLaunch:
     """Compile ``fn`` for exactly these arguments on ``device`` without launching it. Raises
     what Triton raises for a kernel that cannot compile."""
+    compile_workers.wait(fn)  # a worker compiling it into Triton's cache: found there, not compiled again
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
         if hasattr(kernel, "result"):  # an asynchronous compile

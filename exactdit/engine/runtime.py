@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from exactdit import first_calls, gate
-from exactdit.device import launch
+from exactdit.device import compile_workers, launch
 from exactdit.engine import kernel_source, tables
 from exactdit.engine.aten_ops import cuda_only, table_function
 from exactdit.engine.region import Region
@@ -192,6 +192,9 @@ class RegionOp:
         outputs = "".join(f"out{j}, " for j in range(len(outs)))
         lines += ["    if poisoned:", f"        poison(({outputs}))", f"    stream = current_stream({device.index})"]
         for plan, args in self._arguments(device, views, outs, [stride for _, stride, _ in layout]):
+            if compile_workers.pending(plan.fn):
+                with first_calls.phase("workers", self.region.name) as waited:
+                    waited.count = compile_workers.wait(plan.fn)
             with first_calls.phase("compile", self.region.name) as timed:
                 cached = launch.cached_kernels(plan.fn, device)
                 compiled = launch.compile_for(plan.fn, plan.grid, args, plan.kwargs, device)
@@ -202,6 +205,31 @@ class RegionOp:
         lines.append(f"    return ({outputs})")
         exec(compile("\n".join(lines), f"<exactdit launch plan {self.region.name}>", "exec"), scope)  # noqa: S102
         return scope["fast"]
+
+    def compile_ahead(self) -> int:
+        """Send this region's kernels to Triton's compile workers (:mod:`compile_workers`) for the
+        layout its captured graph shows (the fake values' dtypes, strides and storage offsets),
+        so that its first call finds them compiled. Returns how many were sent: none off CUDA,
+        for GEMM regions (compiled when timed) or symbolic sizes."""
+        ins = [n.meta.get("val") for n in self.region.inputs]
+        outs = [n.meta.get("val") for n in self.region.outputs]
+        if self.region.kind == "gemm" or not all(isinstance(t, torch.Tensor) for t in ins + outs):
+            return 0
+        device = gate.args_device(ins)
+        if not launch.supported(device) or compile_workers.worker_count() == 0:
+            return 0
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (tables are built by launches)
+            return 0
+        try:
+            views = [torch.view_as_real(t) if c else t for t, c in zip(ins, self._complex_inputs or [False] * len(ins))]
+            if not all(type(x) is int for t in views + outs for x in (*t.shape, *t.stride())):
+                return 0
+            stand = [launch.StandIn(t) for t in views]
+            return sum(compile_workers.submit(plan.fn, plan.grid, args, plan.kwargs, device)
+                       for plan, args in self._arguments(device, stand, [launch.StandIn(t) for t in outs],
+                                                         [t.stride() for t in outs], [t.stride() for t in views]))
+        except Exception:  # noqa: BLE001 - a guess that cannot be made: the first call compiles
+            return 0
 
     def _arguments(self, device, views, outs, out_strides, in_strides=None):
         """Each launch with its arguments: the kernel's tensors from ``views`` (the inputs, complex

@@ -45,6 +45,7 @@ parts, Dynamo runs such a part as Python, uncounted).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import warnings
@@ -52,6 +53,7 @@ import warnings
 import torch
 
 from exactdit import first_calls, gate
+from exactdit.device import compile_workers, launch
 from exactdit.engine import coverage
 from exactdit.engine import capture
 from exactdit.patches import diffusers_internals
@@ -512,6 +514,8 @@ def patch_transformer(model: torch.nn.Module) -> dict:
         if not isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
             module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}")
         counts[cls] = counts.get(cls, 0) + 1
+    if any(p.is_cuda for p in itertools.islice(model.parameters(), 1)) and launch.supported(torch.device("cuda")):
+        compile_workers.start()  # they start up while the first call captures its blocks
     return {"patched": True, "engine": True, "modules": counts}
 
 

@@ -1,0 +1,73 @@
+"""Triton's compile workers (exactdit.device.compile_workers): kernels they compile ahead are the
+ones the first launches look up, and a worker that cannot compile leaves the launch to compile."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from exactdit.device import compile_workers
+from tests.device.test_compile_for_gpu import _compiler_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ahead(tmp_path, workers: str) -> dict:
+    import json
+
+    env = dict(_compiler_env(), EXACTDIT_COMPILE_WORKERS=workers, TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               EXACTDIT_CACHE=str(tmp_path / "exactdit"))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "compile_ahead_for_gpu.py")], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compiled_by_workers_are_found_by_their_launches(tmp_path):
+    """A tiny Wan block's region kernels, sent at the rewrite with stand-ins for the captured
+    layout, compiled for sm_90 by worker processes: the launches with real tensors of that layout
+    (Triton's JITFunction.run) compile nothing; without workers the same launches compile."""
+    ahead = _ahead(tmp_path / "a", "2")
+    assert ahead["launches"] >= 5
+    assert ahead["sent"] == ahead["compiled_by_workers"] == ahead["launches"]
+    assert ahead["new_cache_files_at_launch"] == 0
+    alone = _ahead(tmp_path / "b", "0")
+    assert alone["sent"] == alone["compiled_by_workers"] == 0 and alone["launches"] == ahead["launches"]
+    assert alone["new_cache_files_at_launch"] > 0  # (so the count above could have failed)
+
+
+def test_a_job_a_worker_cannot_compile_answers_false():
+    from concurrent.futures import Future
+
+    job = {"module": "exactdit_generated_missing", "path": os.path.join(HERE, "no_such_kernel.py"),
+           "name": "region_kernel", "specialization": "{}", "target": {"backend": "cuda", "arch": 90, "warp_size": 32}}
+    futures = [Future(), Future()]
+    for f in futures:
+        compile_workers._pool().put((job, f))
+    assert [f.result(timeout=120) for f in futures] == [False, False]
+
+
+@pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None)])
+def test_worker_count(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("EXACTDIT_COMPILE_WORKERS", raising=False)
+        expected = max(0, min(8, (os.cpu_count() or 1) - 1))
+    else:
+        monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", value)
+    assert compile_workers.worker_count() == expected
+
+
+def test_nothing_is_sent_off_cuda():
+    """RegionOp.compile_ahead sends nothing for CPU graphs (no compiled launches there)."""
+    import torch
+
+    from exactdit.engine.partition import find_regions
+    from exactdit.engine.runtime import RegionOp
+    from tests.engine_helpers import GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input(torch.randn(4, 8, dtype=torch.bfloat16))
+    gm = b.module(b.op(torch.ops.aten.mul.Tensor, b.op(torch.ops.aten.add.Tensor, x, x), 2.0))
+    ops = [RegionOp(r) for r in find_regions(gm, "cpu").regions]
+    assert ops and all(op.compile_ahead() == 0 for op in ops) and not compile_workers._PENDING

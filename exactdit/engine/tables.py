@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 import triton.language as tl
 
 from exactdit.device.numerics import LAUNCH_OPTIONS, mul_rn, round_to, widen
@@ -258,7 +259,9 @@ def table_for(key: tuple, fn: Callable[[torch.Tensor], torch.Tensor], dtype: tor
         with _lock:
             hit = _cache.get(full_key)
             if hit is None:
-                hit = build_table(fn, dtype, device)
+                # from real values, also when asked while a graph is rewritten (under Dynamo's fake mode)
+                with unset_fake_temporarily():
+                    hit = build_table(fn, dtype, device)
                 if hit[1] is not None:
                     logger.warning("exactdit: %s on %s runs eager: %s", key[0], device, hit[1])
                 _cache[full_key] = hit

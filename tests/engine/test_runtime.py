@@ -233,6 +233,20 @@ def test_tables_reproduce_eager_on_every_input():
     assert 0 < spec.window <= tables.MAX_WINDOW  # the window, not the full table
 
 
+def test_a_table_asked_for_while_a_graph_is_rewritten_is_built_from_real_values():
+    """A region's kernels are sent to the compile workers at the rewrite, under Dynamo's fake
+    mode: the table they take is built outside it (it was an exception, and the kernel compiled
+    at the first call instead), holds real bits, and is the one later calls get."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    key = ("test fake mode tanh", (), ())
+    with FakeTensorMode():
+        table, why = tables.table_for(key, torch.tanh, torch.bfloat16, "cpu")
+    assert why is None and not isinstance(table.data, FakeTensor)
+    assert torch.equal(table.data, tables.build_table(torch.tanh, torch.bfloat16, "cpu")[0].data)
+    assert tables.table_for(key, torch.tanh, torch.bfloat16, "cpu")[0] is table
+
+
 def _specialised(args) -> list:
     """What Triton's specialisation reads of each argument: a tensor's dtype and 16-byte alignment,
     any other value itself."""

@@ -151,8 +151,10 @@ class _Workers:
             ok = False
             try:
                 for _ in range(2):  # a worker that idled out (or died) is started again, once
-                    if process.poll() is not None:
+                    if process is None or process.poll() is not None:
                         process = _spawn()
+                    if process is None:
+                        break
                     try:
                         process.stdin.write(json.dumps(job) + "\n")
                         process.stdin.flush()
@@ -187,10 +189,20 @@ def _pool() -> _Workers:
         return _POOL[0]
 
 
-def _spawn() -> subprocess.Popen:
+def _spawn() -> subprocess.Popen | None:
+    """A worker process, or None where one cannot be started (its jobs then answer False at once)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        from triton import knobs
+
+        env["TRITON_CACHE_DIR"] = knobs.cache.dir  # where this process looks, also when set in code
+    except (ImportError, AttributeError):
+        pass
+    try:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    except OSError:
+        return None
 
 
 # --- the worker's side --------------------------------------------------------------------------

@@ -48,6 +48,16 @@ def test_a_job_a_worker_cannot_compile_answers_false():
     assert [f.result(timeout=120) for f in futures] == [False, False]
 
 
+def test_jobs_answer_false_at_once_where_no_worker_starts(monkeypatch):
+    """A worker that cannot be started (no executable, no process) must not leave a launch waiting."""
+    from concurrent.futures import Future
+
+    monkeypatch.setattr(compile_workers, "_spawn", lambda: None)
+    workers, future = compile_workers._Workers(1), Future()
+    workers.put(({"module": "m", "path": "p", "name": "n", "specialization": "{}", "target": {}}, future))
+    assert future.result(timeout=10) is False
+
+
 @pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None)])
 def test_worker_count(monkeypatch, value, expected):
     if value is None:

@@ -25,6 +25,9 @@
 #                    DEPLOY_ARGS="--compile" adds regional compile's first calls
 #   graphs-masked    bench_deploy.py --skip-first-calls: Qwen-Image 1328^2 (mask of ones; B=2 padded 128/37 tokens),
 #                    1024^2 padded, Chroma 1024^2 padded: eager / exactdit / graphs time, equality, memory, coverage
+#   first-calls      profile_first_call.py with regional compile's first calls in the same process: HunyuanVideo
+#                    544x960x17 then 480x848x33, Flux.1-dev 1024^2 then 768x1360 (cold caches); each first call, the
+#                    seconds until its last kernel compiled (calls do not wait), the second call
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -120,6 +123,11 @@ for stage in "$@"; do
         timeout 145 python3 benchmarks/models/bench_deploy.py $a --skip-first-calls --timeout 140 2>&1 | grep -v Warn | \
           tee -a "$OUT/graphs_masked.log" | grep -E "^\||^##|^graphs:|^released|error"
       done ;;
+    first-calls)
+      timeout 280 python3 benchmarks/models/profile_first_call.py --mini hunyuan-video --resolutions 544x960x17 480x848x33 \
+        --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_hunyuan.log" | grep -E "call:|^first calls"
+      timeout 200 python3 benchmarks/models/profile_first_call.py --model flux --config full --resolutions 1024x1024 768x1360 \
+        --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_flux.log" | grep -E "call:|^first calls" ;;
     host)
       timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)

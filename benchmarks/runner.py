@@ -39,8 +39,10 @@ def _sync() -> None:
 
 def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
     """Median ms of ``repeat`` transformer forwards after one (CUDA events; wall clock on the CPU),
-    and the last output."""
+    and the last output: with every kernel compiled (:func:`kernels_ready_s`), so the untimed
+    forward verifies every region and the timed ones run them fused."""
     cuda = kw_device(kw) == "cuda"
+    kernels_ready_s()
     with torch.no_grad():
         out = tr(**kw, return_dict=False)[0]
         _sync()
@@ -64,7 +66,18 @@ def kw_device(kw: dict) -> str:
     return next(v.device.type for v in kw.values() if isinstance(v, torch.Tensor))
 
 
+def kernels_ready_s() -> float:
+    """Seconds until every kernel sent to exactdit's compile workers is compiled (0.0 when none
+    is pending): a first call does not wait for them, its regions run eager meanwhile."""
+    from exactdit.device import compile_workers
+
+    t = time.perf_counter()
+    compile_workers.wait_all()
+    return time.perf_counter() - t
+
+
 def first_call_s(tr, kw) -> float:
+    """Wall seconds of one call (as a user's call: regions whose kernels are still compiling run eager)."""
     _sync()
     t = time.perf_counter()
     with torch.no_grad():

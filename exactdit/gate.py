@@ -15,16 +15,21 @@ the bits, and the kernel launcher. :func:`dispatch` routes each call:
    through it, and later calls of that layout go straight to it.
 
 Verification needs a host sync, so while torch.compile traces or a CUDA graph is captured an
-unverified signature takes the eager path instead (a verified one runs its kernel).
+unverified signature takes the eager path instead (a verified one runs its kernel). So does one
+whose kernels Triton's compile workers are still compiling (:attr:`FusedOp.compiling`): the call
+does not wait for them, and the signature is verified at the first call after they are compiled;
+CUDA-graph mode and ``EXACTDIT_WAIT_FOR_KERNELS=1`` wait instead (:func:`waiting_for_kernels`).
 
 Environment switches (read at every call):
 ``EXACTDIT_DISABLE=1`` every op runs eager; ``EXACTDIT_VERIFY_ALL=1`` every fused call is checked
 (tests); ``EXACTDIT_TRUST=1`` fused calls are never checked (benchmarks of the raw kernels);
-``EXACTDIT_POISON=1`` fused outputs are pre-filled with a NaN pattern (tests).
+``EXACTDIT_POISON=1`` fused outputs are pre-filled with a NaN pattern (tests);
+``EXACTDIT_WAIT_FOR_KERNELS=1`` a first call waits for kernels still compiling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -77,6 +82,13 @@ class FusedOp:
     #: differs, so on CPU (Triton's interpreter) it cannot be verified and runs eager unless
     #: EXACTDIT_TRUST is set. CPU tests hold such kernels to order models instead.
     cuda_numerics: bool = False
+    #: optional: ``compiling()`` is True while the kernel is still being compiled elsewhere (a
+    #: compile worker): an unverified signature then runs eager rather than wait for it.
+    compiling: Callable[[], bool] | None = None
+
+
+#: why a call ran eager while its kernels compile
+COMPILING = "its kernels are compiling (fused from the first call after they are)"
 
 
 @dataclasses.dataclass
@@ -172,6 +184,23 @@ def _op_stats(name: str) -> _OpStats:
         with _lock:
             st = _stats.setdefault(name, _OpStats())
     return st
+
+
+def waits_for_kernels() -> bool:
+    """Whether an unverified signature whose kernels are still compiling waits for them (inside
+    :func:`waiting_for_kernels`, or with ``EXACTDIT_WAIT_FOR_KERNELS=1``) instead of running eager."""
+    return getattr(_local, "waiting", 0) > 0 or _flag("EXACTDIT_WAIT_FOR_KERNELS")
+
+
+@contextlib.contextmanager
+def waiting_for_kernels():
+    """Calls inside wait for kernels still compiling (CUDA-graph mode: a signature's plain call
+    must verify every region before it is recorded)."""
+    _local.waiting = getattr(_local, "waiting", 0) + 1
+    try:
+        yield
+    finally:
+        _local.waiting -= 1
 
 
 def cannot_sync() -> bool:
@@ -286,6 +315,10 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         return op.reference(*args)
     if op.cuda_numerics and args_device(args).type != "cuda":
         _count_eager(st, CPU_NUMERICS)
+        return op.reference(*args)
+
+    if op.compiling is not None and not waits_for_kernels() and op.compiling():
+        _count_eager(st, COMPILING)
         return op.reference(*args)
 
     timed = first_calls.start("verify", op.name)  # (the launch plans and compiles inside it are their own)

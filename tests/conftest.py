@@ -74,6 +74,9 @@ def fresh_state(monkeypatch):
     for name in ("EXACTDIT_DISABLE", "EXACTDIT_VERIFY_ALL", "EXACTDIT_TRUST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("EXACTDIT_POISON", "1")
+    # a region's first call waits for kernels still compiling in worker processes (GPU), so that
+    # it verifies them as before; tests of the default (eager meanwhile) unset it
+    monkeypatch.setenv("EXACTDIT_WAIT_FOR_KERNELS", "1")
     state.reset()
     yield
     state.reset()

@@ -157,6 +157,12 @@ def timed_call(tr, kw) -> float:
     return first_call_s(tr, kw)  # (synced before and after)
 
 
+def kernels_ready_s() -> float:
+    from benchmarks.runner import kernels_ready_s
+
+    return kernels_ready_s()
+
+
 def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles) -> list[dict]:
     """First and second call per resolution, with the account's part of each."""
     from exactdit import first_calls
@@ -166,10 +172,12 @@ def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles) -> 
         for which in ("first", "second"):
             before, compiles, graphs = first_calls.snapshot(), triton.count, dynamo_graphs()
             wall = timed_call(tr, kw)
+            ready = kernels_ready_s()  # (its regions ran eager where their kernels were compiling)
             added = difference(first_calls.snapshot(), before)
             phases = first_calls.totals(added)
             accounted = sum(s for s, _ in phases.values())
-            row = {"resolution": resolution or "production", "call": which, "wall_s": wall, "accounted_s": accounted,
+            row = {"resolution": resolution or "production", "call": which, "wall_s": wall, "kernels_ready_s": ready,
+                   "accounted_s": accounted,
                    "unaccounted_s": wall - accounted, "phases": {p: list(v) for p, v in phases.items()},
                    "per_block": {b: {p: list(v) for p, v in ph.items()} for b, ph in added.items()},
                    "triton_compiles": (triton.count - compiles) if triton.available else None,
@@ -185,6 +193,8 @@ def show(row: dict) -> None:
     head = (f"{row['resolution']} {row['call']} call: {row['wall_s']:.2f} s; accounted {row['accounted_s']:.2f} s, "
             f"unaccounted {row['unaccounted_s']:.2f} s; Triton compiles {row['triton_compiles']}, "
             f"Dynamo graphs {row['dynamo_graphs']}")
+    if row["kernels_ready_s"] > 0.005:
+        head += f"; its last kernels compiled {row['kernels_ready_s']:.2f} s after it returned"
     print(head, flush=True)
     if row["phases"]:
         print("  " + first_calls.describe({p: tuple(v) for p, v in row["phases"].items()}), flush=True)
@@ -259,7 +269,8 @@ def main(argv=None) -> None:
         order = "first call" if r is rows[0] else "new resolution"
         results.append(dict(model_or_op=model, shape=f"{r['resolution']} B={args.batch}", dtype="bf16",
                             path=f"exactdit {order} ({args.caches} caches), profiled", ms=r["wall_s"] * 1e3, ratio=None,
-                            ratio_kind=None, equal=None, first_call_s=r["wall_s"], patch_s=patch_s,
+                            ratio_kind=None, equal=None, first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
+                            patch_s=patch_s,
                             phases_s={p: round(v[0], 3) for p, v in r["phases"].items()},
                             phase_counts={p: v[1] for p, v in r["phases"].items()},
                             per_block_s={b: {p: round(v[0], 3) for p, v in ph.items()} for b, ph in r["per_block"].items()},

@@ -90,6 +90,17 @@ def pending(fn) -> bool:
     return fn in _PENDING
 
 
+def compiling(fn) -> bool:
+    """Whether a worker is still compiling a job of ``fn``."""
+    return any(not f.done() for f in _PENDING.get(fn, ()))
+
+
+def wait_all() -> int:
+    """Wait for every job sent to the workers; how many compiled there (benchmarks: the time until
+    every region can run fused)."""
+    return sum(wait(fn) for fn in list(_PENDING))
+
+
 def wait(fn) -> int:
     """Wait for the jobs of ``fn`` sent to workers; how many compiled there."""
     with _lock:

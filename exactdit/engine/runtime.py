@@ -75,6 +75,7 @@ class RegionOp:
             signature=self._signature,
             cuda_numerics=bool(region.reductions) or any(cuda_only(n) for n in region.nodes),
             specialize=self._specialize,
+            compiling=self._compiling,
         )
 
     def __call__(self, *inputs):
@@ -134,6 +135,9 @@ class RegionOp:
         way, t_fused, t_split = gemm.choose(fused, self._split, inputs)
         self.choices[gate.arg_key(inputs)] = (way, t_fused, t_split)
         return fused if way == "fused" else self._split
+
+    def _compiling(self) -> bool:
+        return any(compile_workers.compiling(fn) for fn, _ in self.kernels())
 
     def _split(self, *inputs, poisoned=False):
         """The GEMM by ATen (cuBLAS), then the epilogue's own region (or its ATen nodes)."""

@@ -216,6 +216,10 @@ class GraphedCall:
     # --- the call ---------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        with gate.waiting_for_kernels():  # a plain call verifies every region, so its recording has them all
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         module = self.module
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state, never, not_whole = self.watch.state()

@@ -251,3 +251,30 @@ def _specialised(args) -> list:
     """What Triton's specialisation reads of each argument: a tensor's dtype and 16-byte alignment,
     any other value itself."""
     return [(a.dtype, a.data_ptr() % 16 == 0) if hasattr(a, "data_ptr") else a for a in args]
+
+
+def test_a_region_runs_eager_while_a_worker_compiles_its_kernel(monkeypatch):
+    """A region whose kernel a compile worker has not finished answers with its ATen nodes (eager's
+    bits, counted with the reason); the call after the worker finished verifies and fuses it."""
+    from concurrent.futures import Future
+
+    from exactdit.device import compile_workers
+    from exactdit.engine.partition import find_regions
+    from exactdit.engine.runtime import RegionOp
+
+    monkeypatch.delenv("EXACTDIT_WAIT_FOR_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(3)
+    x = rand((3, 40), torch.bfloat16, "cpu", g)
+    b = GraphBuilder()
+    xi = b.input(x)
+    gm = b.module(b.op(torch.ops.aten.mul.Tensor, b.op(torch.ops.aten.add.Tensor, xi, xi), 0.3))
+    (region,) = find_regions(gm, "compiling").regions
+    op, future = RegionOp(region), Future()
+    monkeypatch.setattr(compile_workers, "_PENDING", {fn: [future] for fn, _ in op.kernels()})
+    expected = (x + x) * 0.3
+    assert torch.equal(op(x)[0], expected)
+    assert exactdit.report(show=False)[region.name]["eager_reasons"] == {gate.COMPILING: 1}
+    future.set_result(True)
+    assert torch.equal(op(x)[0], expected) and torch.equal(op(x)[0], expected)
+    rep = exactdit.report(show=False)[region.name]
+    assert rep["verified"] and rep["fused"] == 2 and rep["eager"] == 1  # (the verifying call returns the kernel's output)

@@ -312,3 +312,34 @@ def test_verify_all_disabling_a_signature_retires_its_launcher(monkeypatch):
     monkeypatch.delenv("EXACTDIT_VERIFY_ALL")
     assert torch.equal(_run(op, *args), _residual_gate_add(*args))  # eager, not the old launcher
     assert exactdit.report(show=False)["specialised.retired"]["eager_reasons"]["disabled after a mismatch"] == 1
+
+
+def test_a_signature_whose_kernels_compile_runs_eager_until_they_are_compiled(monkeypatch):
+    """The first calls do not wait for a compile worker: they return eager's result, counted with
+    the reason, and the signature is verified (kernel run and compared) at the first call after
+    the kernel is compiled; CUDA-graph mode (waiting_for_kernels) and EXACTDIT_WAIT_FOR_KERNELS=1
+    wait instead."""
+    import dataclasses
+
+    monkeypatch.delenv("EXACTDIT_WAIT_FOR_KERNELS", raising=False)
+    compiled, calls = [False], []
+    op = dataclasses.replace(_op("still compiling", wrong_after=99, calls=calls), compiling=lambda: not compiled[0])
+    args = _args()
+    for _ in range(2):
+        assert torch.equal(_run(op, *args), _residual_gate_add(*args))
+    assert not calls  # the kernel never ran
+    rep = exactdit.report(show=False)["still compiling"]
+    assert rep["eager_reasons"] == {gate.COMPILING: 2} and not rep["verified"]
+    compiled[0] = True
+    _run(op, *args)
+    assert calls and exactdit.report(show=False)["still compiling"]["verified"]  # verified, then fused
+
+    in_graph_mode, by_env = (dataclasses.replace(_op(name, wrong_after=99), compiling=lambda: True)
+                              for name in ("graphs", "env"))
+    with gate.waiting_for_kernels():
+        _run(in_graph_mode, *args)
+    monkeypatch.setenv("EXACTDIT_WAIT_FOR_KERNELS", "1")
+    _run(by_env, *args)
+    for name in ("graphs", "env"):
+        rep = exactdit.report(show=False)[name]
+        assert gate.COMPILING not in rep["eager_reasons"] and rep["verified"], name

@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 import exactdit
 from exactdit.harness import models
-from exactdit.patches import cuda_graphs
+from exactdit.patches import cuda_graphs, engine
 from exactdit.patches.cuda_graphs import _ModelWatch
 from tests.helpers import assert_bits_equal
 
@@ -545,3 +545,31 @@ def test_a_deleted_graphed_model_is_released(stand_in):
     del tr, outs
     gc.collect()
     assert alive() is None
+
+
+def test_graphed_calls_wait_for_kernels_still_compiling(stand_in, monkeypatch):
+    """In CUDA-graph mode a signature's plain call must verify every region before the next one
+    records: its calls wait for kernels still compiling in workers (unlike plain patched calls,
+    which run such regions eager meanwhile)."""
+    from exactdit import gate
+
+    stand_in()
+    monkeypatch.delenv("EXACTDIT_WAIT_FOR_KERNELS", raising=False)
+    seen = []
+    run_engine = engine.EngineCall.run_engine
+
+    def noting(self, *args, **kwargs):
+        seen.append(gate.waits_for_kernels())
+        return run_engine(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.EngineCall, "run_engine", noting)
+    tr = _toy()
+    _assert_graphed_calls_equal(tr, [_toy_inputs(0)])
+    assert seen and all(seen)
+    assert not gate.waits_for_kernels()
+    seen.clear()
+    exactdit.patch(tr)
+    with torch.no_grad():
+        tr(*_toy_inputs(0))
+    exactdit.unpatch(tr)
+    assert seen and not any(seen)

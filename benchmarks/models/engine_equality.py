@@ -18,12 +18,16 @@ Prints one line per case and ALL EQUAL / DIFFERENT; writes ``engine_equality_<mo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+# every call fused from the first (a region's first call waits for its kernels instead of running
+# eager while they compile), so the forwards and the sampling loop check fused bits throughout
+os.environ.setdefault("EXACTDIT_WAIT_FOR_KERNELS", "1")
 
 import exactdit  # noqa: E402
 from benchmarks.runner import environment, write_json  # noqa: E402

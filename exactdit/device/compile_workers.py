@@ -11,8 +11,10 @@ module does what Inductor's compile workers do, in processes:
   compiles) and hands Triton's specialisation data to a worker;
 * a worker (this file run as a script, off the GPU: ``CUDA_VISIBLE_DEVICES`` empty) compiles it
   for the device's target into Triton's disk cache, under the key the launch will look up;
-* the launch's own compile (``launch.compile_for``) first waits for its kernel's jobs
-  (:func:`wait`), then finds the binary in the cache.
+* until its kernels are compiled (:func:`compiling`) a region's calls run its ATen nodes (the
+  gate's choice; CUDA-graph mode waits instead); then the launch's own compile
+  (``launch.compile_for``) waits for its kernel's jobs (:func:`wait`) and finds the binary, and
+  the C launcher Triton 3.6 builds per kernel signature, in the cache.
 
 Correctness never rests on a worker: a job that fails, or a specialisation that differs from the
 launch's, costs time only (the launch compiles as before). ``EXACTDIT_COMPILE_WORKERS`` sets how
@@ -43,7 +45,9 @@ def worker_count() -> int:
     """How many workers compile (``EXACTDIT_COMPILE_WORKERS``; default ``min(8, CPUs - 1)``)."""
     value = os.environ.get("EXACTDIT_COMPILE_WORKERS")
     if value is not None:
-        return max(0, int(value))
+        if not value.strip().isdigit():
+            raise ValueError(f"EXACTDIT_COMPILE_WORKERS must be a whole number of processes, got {value!r}")
+        return int(value)
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 

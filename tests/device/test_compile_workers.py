@@ -58,8 +58,13 @@ def test_jobs_answer_false_at_once_where_no_worker_starts(monkeypatch):
     assert future.result(timeout=10) is False
 
 
-@pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None)])
+@pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None), ("two", ValueError), ("-1", ValueError)])
 def test_worker_count(monkeypatch, value, expected):
+    if expected is ValueError:
+        monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", value)
+        with pytest.raises(ValueError, match="EXACTDIT_COMPILE_WORKERS must be a whole number"):
+            compile_workers.worker_count()
+        return
     if value is None:
         monkeypatch.delenv("EXACTDIT_COMPILE_WORKERS", raising=False)
         expected = max(0, min(8, (os.cpu_count() or 1) - 1))

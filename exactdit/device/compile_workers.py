@@ -204,6 +204,19 @@ def _pool() -> _Workers:
         return _POOL[0]
 
 
+def _forget_workers() -> None:
+    """In a forked child: the parent's feeding threads did not come along, and neither do its jobs."""
+    _POOL.clear()
+    for futures in _PENDING.values():
+        for future in futures:
+            if not future.done():
+                future.set_result(False)
+    _PENDING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
 def _spawn() -> subprocess.Popen | None:
     """A worker process, or None where one cannot be started (its jobs then answer False at once)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")

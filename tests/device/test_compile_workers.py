@@ -86,3 +86,19 @@ def test_nothing_is_sent_off_cuda():
     gm = b.module(b.op(torch.ops.aten.mul.Tensor, b.op(torch.ops.aten.add.Tensor, x, x), 2.0))
     ops = [RegionOp(r) for r in find_regions(gm, "cpu").regions]
     assert ops and all(op.compile_ahead() == 0 for op in ops) and not compile_workers._PENDING
+
+
+def test_a_forked_child_forgets_the_parents_workers_and_jobs(monkeypatch):
+    """A child forked while jobs are pending has no thread feeding them: it must not wait for them."""
+    from concurrent.futures import Future
+
+    pending = Future()
+    monkeypatch.setattr(compile_workers, "_PENDING", {"kernel": [pending]})
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports whether it still thinks a compile is under way
+        os.write(write, b"1" if compile_workers.compiling("kernel") or compile_workers._POOL else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"0"
+    assert compile_workers.compiling("kernel")  # the parent's job is still its own

@@ -113,7 +113,7 @@ for stage in "$@"; do
     deploy)
       for m in ${MODELS:-flux}; do
         timeout 590 python3 benchmarks/models/bench_deploy.py --models $m --timeout 190 ${DEPLOY_ARGS:-} 2>&1 | grep -v Warn | \
-          tee -a "$OUT/bench_deploy.log" | grep -E "^\||^##|^graphs:|^released|error"
+          tee -a "$OUT/bench_deploy.log" | grep -E "^\||^##|^graphs:|^released|error| (cold|warm|memory): "
       done ;;
     graphs-masked)
       for a in "--models qwen --resolutions 1328x1328 --mask-ones" \

@@ -213,8 +213,9 @@ class RegionOp:
     def compile_ahead(self) -> int:
         """Send this region's kernels to Triton's compile workers (:mod:`compile_workers`) for the
         layout its captured graph shows (the fake values' dtypes, strides and storage offsets),
-        so that its first call finds them compiled. Returns how many were sent: none off CUDA,
-        for GEMM regions (compiled when timed) or symbolic sizes."""
+        so that they compile while the model runs (its calls run the region's ATen nodes until
+        they are: :attr:`gate.FusedOp.compiling`). Returns how many were sent: none off CUDA, for
+        GEMM regions (compiled when timed) or symbolic sizes."""
         ins = [n.meta.get("val") for n in self.region.inputs]
         outs = [n.meta.get("val") for n in self.region.outputs]
         if self.region.kind == "gemm" or not all(isinstance(t, torch.Tensor) for t in ins + outs):

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 import triton.language as tl
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from exactdit.device.numerics import LAUNCH_OPTIONS, mul_rn, round_to, widen
 

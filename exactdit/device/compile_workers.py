@@ -149,8 +149,13 @@ def _specialization(fn, grid, args, kwargs, device) -> tuple:
 class _Workers:
     """A job queue and one thread per worker process, each sending its worker one job at a time."""
 
+    #: workers in a row that died without answering before the pool stops starting them (an
+    #: interpreter that cannot import exactdit, say): its jobs then answer False at once
+    GIVE_UP = 3
+
     def __init__(self, n: int):
         self.jobs: queue.Queue = queue.Queue()
+        self.silent = 0  # workers in a row that died without answering
         self.threads = [threading.Thread(target=self._feed, name=f"exactdit-compile-{i}", daemon=True)
                         for i in range(n)]
         for t in self.threads:
@@ -166,9 +171,12 @@ class _Workers:
             ok = False
             try:
                 for _ in range(2):  # a worker that idled out (or died) is started again, once
+                    if self.silent >= self.GIVE_UP:
+                        break
                     if process is None or process.poll() is not None:
                         process = _spawn()
                     if process is None:
+                        self.silent = self.GIVE_UP
                         break
                     try:
                         process.stdin.write(json.dumps(job) + "\n")
@@ -177,8 +185,9 @@ class _Workers:
                     except (BrokenPipeError, OSError, ValueError):
                         line = ""
                     if line:
-                        ok = bool(json.loads(line).get("ok"))
+                        ok, self.silent = bool(json.loads(line).get("ok")), 0
                         break
+                    self.silent += 1
                     process.kill()
                     process.wait()
             except Exception:  # noqa: BLE001 - no worker: the launch compiles it itself

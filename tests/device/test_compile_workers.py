@@ -58,6 +58,27 @@ def test_jobs_answer_false_at_once_where_no_worker_starts(monkeypatch):
     assert future.result(timeout=10) is False
 
 
+def test_workers_that_die_without_answering_are_given_up(monkeypatch):
+    """An interpreter whose workers cannot even import exactdit: after a few silent deaths the
+    pool starts no more of them, and jobs answer False at once."""
+    import subprocess
+    from concurrent.futures import Future
+
+    started = []
+
+    def dying():
+        started.append(1)
+        return subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    monkeypatch.setattr(compile_workers, "_spawn", dying)
+    workers = compile_workers._Workers(1)
+    futures = [Future() for _ in range(5)]
+    for f in futures:
+        workers.put(({"module": "m", "path": "p", "name": "n", "specialization": "{}", "target": {}}, f))
+    assert [f.result(timeout=60) for f in futures] == [False] * 5
+    assert len(started) <= compile_workers._Workers.GIVE_UP + 1
+
+
 @pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None), ("two", ValueError), ("-1", ValueError)])
 def test_worker_count(monkeypatch, value, expected):
     if expected is ValueError:

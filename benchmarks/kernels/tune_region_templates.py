@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.runner import add_model_args, copy_bandwidth_gbs, environment, model_and_inputs, write_json  # noqa: E402,E501
+from benchmarks.runner import add_model_args, copy_bandwidth_gbs, environment, fused_from_the_first_call, model_and_inputs, write_json  # noqa: E402,E501
 from benchmarks.models.profile_engine import gpu_ms, nbytes  # noqa: E402
 from exactdit.engine import templates, timing  # noqa: E402
 from exactdit.engine.templates import norms as norm_templates, pointwise as pointwise_template  # noqa: E402
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--graph", default=None, help="sweep the regions of the first captured graph of this block class "
                                                   "(default: the first captured graph)")
     args = ap.parse_args()
+    fused_from_the_first_call()
     os.environ["EXACTDIT_TRUST"] = "1"  # equality is checked here, once per variant
     bandwidth = copy_bandwidth_gbs()
     tr, kw = model_and_inputs(args)

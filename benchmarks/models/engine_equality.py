@@ -18,19 +18,15 @@ Prints one line per case and ALL EQUAL / DIFFERENT; writes ``engine_equality_<mo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-# every call fused from the first (a region's first call waits for its kernels instead of running
-# eager while they compile), so the forwards and the sampling loop check fused bits throughout
-os.environ.setdefault("EXACTDIT_WAIT_FOR_KERNELS", "1")
 
 import exactdit  # noqa: E402
-from benchmarks.runner import environment, write_json  # noqa: E402
+from benchmarks.runner import environment, fused_from_the_first_call, write_json  # noqa: E402
 from exactdit.harness import models  # noqa: E402
 from exactdit.harness.models import qwen  # noqa: E402
 from exactdit.harness.metrics import md5_tensor, outputs_equal  # noqa: E402
@@ -96,6 +92,7 @@ def main() -> None:
     ap.add_argument("--text-len", type=int, nargs="*", default=None,
                     help="prompt tokens per row of the --forward cases (rows of different lengths: padded text)")
     args = ap.parse_args()
+    fused_from_the_first_call()
     if args.edit and args.model != "qwen":
         ap.error("--edit applies to --model qwen")
     rows = []

@@ -155,11 +155,12 @@ def compare(model: str, config: str = "tiny", *, mode: str = "ulysses", order: s
     ``order``: "patch-last" (enable_parallelism, eager forward, patch, forward) or "patch-first"
     (patch, enable_parallelism, forward, unpatch, eager forward)."""
     import exactdit
+    from exactdit import gate
     from exactdit.engine import coverage
     from exactdit.parallel import enable_context_parallel
 
     tr, kw, cp = prepare(model, config, mode=mode, **build)
-    with torch.no_grad():
+    with torch.no_grad(), gate.waiting_for_kernels():  # (one patched call: it must run the kernels)
         if order == "patch-first":
             exactdit.patch(tr)
             enable_context_parallel(tr, cp)

@@ -77,3 +77,39 @@ def test_a_block_with_a_graph_break_captured_in_parts_equal_to_eager(dtype):
     _assert_patched_equals_eager(tr, kw)
     assert engine_eager_reasons() == {}
     assert list(coverage.in_parts()) == ["FluxTransformer2DModel.FluxTransformerBlock"]
+
+
+def test_calls_while_kernels_compile_equal_eager_and_fuse_afterwards(monkeypatch):
+    """The default first calls (no EXACTDIT_WAIT_FOR_KERNELS): regions whose kernels the compile
+    workers have not finished run their ATen nodes; every call equals eager, and once every kernel
+    is compiled no region runs eager for compiling any more, none is disabled."""
+    import re
+
+    import exactdit
+    from exactdit import gate
+    from exactdit.device import compile_workers
+
+    def regions():
+        return {n: r for n, r in exactdit.report(show=False).items() if re.search(r"#\d+\.r\d+$", n)}
+
+    def compiling():
+        return sum(r["eager_reasons"].get(gate.COMPILING, 0) for r in regions().values())
+
+    monkeypatch.delenv("EXACTDIT_WAIT_FOR_KERNELS", raising=False)
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, device="cuda", seed=7)
+    kw = models.forward_inputs("flux", tr, batch=2, seed=8, height=128, width=128)
+    ref = models.run_forward(tr, kw)
+    exactdit.patch(tr)
+    try:
+        outs = [models.run_forward(tr, kw)]
+        compile_workers.wait_all()
+        outs.append(models.run_forward(tr, kw))  # verifies what compiled since
+        before = compiling()
+        outs.append(models.run_forward(tr, kw))
+        after = compiling()
+    finally:
+        exactdit.unpatch(tr)
+    assert all(outputs_equal(out, ref) for out in outs)
+    assert after == before
+    assert any(r["verified"] for r in regions().values())
+    assert not any(r["disabled"] for r in regions().values())

@@ -229,6 +229,8 @@ os.register_at_fork(after_in_child=_forget_workers)
 def _spawn() -> subprocess.Popen | None:
     """A worker process, or None where one cannot be started (its jobs then answer False at once)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    # it imports what this process imports (exactdit from a checkout added to sys.path, say)
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
     try:
         from triton import knobs
 

@@ -123,3 +123,19 @@ def test_a_forked_child_forgets_the_parents_workers_and_jobs(monkeypatch):
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"0"
     assert compile_workers.compiling("kernel")  # the parent's job is still its own
+
+
+def test_workers_import_what_this_process_imports(monkeypatch, tmp_path):
+    """A module importable here only through sys.path (a checkout not installed) is importable in
+    a worker too."""
+    import subprocess
+
+    (tmp_path / "only_here_mod.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spawned = []
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "Popen", lambda cmd, **kw: spawned.append(kw["env"]) or None)
+        compile_workers._spawn()
+    out = subprocess.run([sys.executable, "-c", "import only_here_mod; print(only_here_mod.VALUE)"],
+                         env=spawned[0], capture_output=True, text=True)
+    assert out.stdout.strip() == "7", out.stderr

@@ -157,14 +157,9 @@ def timed_call(tr, kw) -> float:
     return first_call_s(tr, kw)  # (synced before and after)
 
 
-def kernels_ready_s() -> float:
-    from benchmarks.runner import kernels_ready_s
-
-    return kernels_ready_s()
-
-
 def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles) -> list[dict]:
     """First and second call per resolution, with the account's part of each."""
+    from benchmarks.runner import kernels_ready_s
     from exactdit import first_calls
 
     rows = []

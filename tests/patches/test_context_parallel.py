@@ -36,6 +36,9 @@ def _in_group(rank: int, port: int, result_dir: str, job, args: tuple) -> None:
         result = job(*args)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        # a rank that tears its group down while its peer still talks can abort the peer (SIGABRT
+        # in gloo's transport; seen once in CI); only on success, so a failed rank cannot hang here
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -52,7 +52,7 @@
 #                    configuration unpatched, eager vs exactdit vs regional compile, capture whole / in parts / eager.
 #                    The full list takes longer than one 10-minute call: split it with ECO_CONFIGS.
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md); for ecosystem also torchao
-# 0.17.0 and gguf 0.19.0 (the pip download commands are in BENCHMARKS.md).
+# 0.17.0, gguf 0.19.0 and bitsandbytes 0.50.2 (the pip download commands are in BENCHMARKS.md).
 set -u
 OUT=${OUT:-/tmp/exactdit-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 EXACTDIT_CACHE=${EXACTDIT_CACHE:-/tmp/exactdit-cache}

@@ -57,3 +57,23 @@ def write_gguf(tr, folder: str, kind, arch: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def to_nf4(tr):
+    """``tr`` with the blocks' linear layers replaced by bitsandbytes' 4-bit NF4 layers holding the
+    same weights, quantized where the layer lives, bf16 compute: the modules diffusers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` loads (its loader wants a
+    GPU; this runs on the CPU too)."""
+    import bitsandbytes as bnb
+
+    for parent_name, parent in list(tr.named_modules()):
+        for name, layer in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(layer) is not torch.nn.Linear or not in_blocks(full):
+                continue
+            q = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                  compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+            q.weight = bnb.nn.Params4bit(layer.weight.data, requires_grad=False, quant_type="nf4")
+            q.bias = layer.bias
+            setattr(parent, name, q.to(layer.weight.device))  # (the move quantizes)
+    return tr

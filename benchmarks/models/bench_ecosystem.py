@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.runner import (append_results, environment, first_call_s, forward_ms,  # noqa: E402
                                outputs_equal, write_json)
-from tests.ecosystem import in_blocks, lora_state_dict, write_gguf  # noqa: E402
+from tests.ecosystem import in_blocks, lora_state_dict, to_nf4, write_gguf  # noqa: E402
 
 
 class Skip(Exception):
@@ -116,6 +116,11 @@ def _gguf(qtype):
     return apply
 
 
+def _bnb_nf4(tr, args):
+    _need("bitsandbytes", "exactdit[quant]")
+    return to_nf4(tr)
+
+
 def _model_cpu_offload(tr, args):
     """What ``pipe.enable_model_cpu_offload()`` installs on the transformer: accelerate's hook that
     moves it to the GPU for its forward (and leaves it there until the next model is called)."""
@@ -161,6 +166,8 @@ CONFIGS = {
     "gguf-q8_0": ("GGUF Q8_0 (blocks' linears) through from_single_file + GGUFQuantizationConfig", _gguf("Q8_0")),
     "gguf-q4_k": ("GGUF Q4_K (blocks' linears)", _gguf("Q4_K")),
     "gguf-q4_0": ("GGUF Q4_0 (blocks' linears; the 4-bit type gguf-py can write)", _gguf("Q4_0")),
+    "bnb-nf4": ("bitsandbytes NF4 4-bit on the blocks' linears (BitsAndBytesConfig's layers), bf16 compute",
+                _bnb_nf4),
     "model-cpu-offload": ("accelerate cpu_offload_with_hook (enable_model_cpu_offload's hook)", _model_cpu_offload),
     "group-offload-block": ("apply_group_offloading block_level, 1 block per group, use_stream",
                             _group_offload("block_level")),

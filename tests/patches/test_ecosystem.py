@@ -18,7 +18,7 @@ import exactdit
 from exactdit.engine import coverage
 from exactdit.harness import models
 from exactdit.patches import engine
-from tests.ecosystem import in_blocks, lora_state_dict, write_gguf
+from tests.ecosystem import in_blocks, lora_state_dict, to_nf4, write_gguf
 from tests.engine_helpers import engine_eager_reasons
 from tests.helpers import assert_bits_equal
 
@@ -28,6 +28,8 @@ needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao not installed (exactdit[quant])")
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed (exactdit[quant])")
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                               reason="bitsandbytes not installed (exactdit[quant])")
 
 
 def _build(name: str):
@@ -222,3 +224,19 @@ def test_gguf_q8_0(name):
     assert quantized
     _check(tr, kw)
     assert all(p is dict(tr.named_parameters())[n] for n, p in quantized.items())  # given back after each call
+
+
+@needs_bnb
+@pytest.mark.parametrize("name", MODELS)
+def test_bitsandbytes_nf4(name):
+    """bitsandbytes' NF4 layers (4-bit weights dequantized by its own op before each GEMM) are
+    traced into the block graphs, captured whole, and keep their quantized weights."""
+    import bitsandbytes as bnb
+
+    tr, kw = _build(name)
+    tr = to_nf4(tr)
+    layers = [m for m in tr.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.dtype == torch.uint8 for m in layers)
+    packed = [m.weight.data.clone() for m in layers]
+    _check(tr, kw)
+    assert all(torch.equal(m.weight.data, w) for m, w in zip(layers, packed))

@@ -1,6 +1,6 @@
 """exactdit with what diffusers users combine a transformer with (issue 34, the CPU side): peft
 LoRA (one adapter, two with ``set_adapters`` weights, fused, hot-swapped), fp8 layerwise casting,
-torchao int8 weight-only quantization, GGUF. Each: the patched model gives the bits of the same
+torchao int8 weight-only quantization, GGUF, bitsandbytes NF4, attention backends that run on the CPU. Each: the patched model gives the bits of the same
 configuration unpatched, and its blocks are captured whole (one graph per block class, its
 regions run through the gate), so a regression to "captured in parts" or "runs diffusers' code"
 fails here. Tiny Flux and Wan in bf16; the regions run in Triton's interpreter."""
@@ -240,3 +240,15 @@ def test_bitsandbytes_nf4(name):
     packed = [m.weight.data.clone() for m in layers]
     _check(tr, kw)
     assert all(torch.equal(m.weight.data, w) for m, w in zip(layers, packed))
+
+
+@pytest.mark.parametrize("backend", ["_native_math", "_native_flash", "flex"])
+def test_attention_backends_that_run_on_the_cpu(backend):
+    """``set_attention_backend``: diffusers' dispatch to another attention kernel (ATen's CPU flash
+    attention, the math path, flex attention's higher-order op) is traced into the block graphs and
+    run as the unpatched model runs it; the blocks are captured whole."""
+    tr, kw = _build("flux")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (experimental API; flex attention run without compile)
+        tr.set_attention_backend(backend)
+        _check(tr, kw)

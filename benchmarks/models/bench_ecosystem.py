@@ -161,6 +161,8 @@ CONFIGS = {
     "fp8-cast": ("enable_layerwise_casting(float8_e4m3fn storage, bf16 compute)", _fp8_cast),
     "torchao-int8wo": ("torchao quantize_ Int8WeightOnlyConfig on the blocks' linears",
                        _torchao("Int8WeightOnlyConfig")),
+    "torchao-fp8wo": ("torchao quantize_ Float8WeightOnlyConfig on the blocks' linears",
+                      _torchao("Float8WeightOnlyConfig")),
     "torchao-fp8dq": ("torchao quantize_ Float8DynamicActivationFloat8WeightConfig on the blocks' linears",
                       _torchao("Float8DynamicActivationFloat8WeightConfig")),
     "gguf-q8_0": ("GGUF Q8_0 (blocks' linears) through from_single_file + GGUFQuantizationConfig", _gguf("Q8_0")),

@@ -5,6 +5,9 @@ admits). A new diffusers release that moves any of these is a change to this mod
 * the hook registry diffusers sets on a module (``module._diffusers_hook``: a ``HookRegistry``
   with ``hooks`` by name and ``_fn_refs``, the chain of forwards; each ref's innermost callable is
   ``original_forward`` when a hook replaced the forward, else ``forward``);
+* which hooks only move or cast a layer's weights (layerwise casting, group offloading and its
+  execution-order tracker), and group offloading's groups, their prefetch chain and side streams
+  (:func:`prefetches_in_flight`);
 * the block classes a transformer lists for ``compile_repeated_blocks`` (``_repeated_blocks``;
   the engine's capture is handed them: :func:`exactdit.patches.engine.repeated_blocks`);
 * a transformer class's context-parallel plan (``_cp_plan``).
@@ -31,8 +34,49 @@ def hook_names(module_dict: dict) -> list[str]:
 
 
 def hook_chain(module) -> tuple:
-    """The refs of the module's diffusers hook chain, outermost first (empty without hooks)."""
+    """The refs of the module's diffusers hook chain, innermost first (the first registered hook,
+    whose ref holds the module's own forward; empty without hooks)."""
     return tuple(getattr(hook_registry(module.__dict__), "_fn_refs", None) or ())
+
+
+#: diffusers hooks that only move or cast a layer's weights, or note the order layers run in (by
+#: registry name: class name): exactdit runs them for all of a block's layers around its call
+WEIGHT_HOOKS = {"layerwise_casting": "LayerwiseCastingHook", "group_offloading": "GroupOffloadingHook",
+                "layer_execution_tracker": "LayerExecutionTrackerHook"}
+
+
+def weight_hook_chain(module) -> tuple:
+    """The module's hook chain (innermost first) when every hook on it is one of
+    :data:`WEIGHT_HOOKS` and the innermost calls the module's own class forward; else empty."""
+    d = module.__dict__
+    registry, chain = hook_registry(d), hook_chain(module)
+    if "forward" not in d or not chain or len(chain) != len(registry.hooks):
+        return ()
+    if any(type(hook).__name__ != WEIGHT_HOOKS.get(name) for name, hook in registry.hooks.items()):
+        return ()
+    inner = chain[0].forward
+    if getattr(inner, "__self__", None) is not module or getattr(inner, "__func__", None) is not type(module).forward:
+        return ()
+    return chain
+
+
+def onload_hook(module):
+    """The group-offloading hook whose group ``module`` onloads (its ``pre_forward`` moves the
+    group's weights in and starts the next group's prefetch), or None."""
+    registry = hook_registry(module.__dict__)
+    hook = registry.hooks.get("group_offloading") if registry is not None else None
+    return hook if hook is not None and hook.group.onload_leader is module else None
+
+
+def prefetches_in_flight(hooks: list) -> list:
+    """The side streams that may still be copying the weights of these group-offloading hooks'
+    groups (hooks in the order their ``pre_forward`` ran, none since). Each onload first waits for
+    its stream's earlier copies, so only the prefetch the last one started can still run: fine
+    when it is a later group's (diffusers overlaps it with compute), not when the prefetch chain,
+    recorded while another forward ran the layers one by one, names one of these groups."""
+    groups = {id(h.group) for h in hooks}
+    return [h.next_group.stream for h in hooks[-1:]
+            if h.next_group is not None and id(h.next_group) in groups and h.next_group.stream is not None]
 
 
 def innermost_attr(ref) -> str:

@@ -19,13 +19,13 @@ A block that computes shapes from a small integer CPU tensor's values (WanAnimat
 ``grid_sizes.tolist()``), which Dynamo cannot capture whole ("data-dependent expression"), is
 handed those values as guarded constants (:class:`IntValues`) and captured whole.
 
-Layerwise casting (``enable_layerwise_casting``: a hook per layer that casts its weights with
-``module.to``) and GGUF weights (which Dynamo does not unwrap as eager does) are cast and
-dequantized for the whole block around its call (:class:`_cast_for_the_block`), so such blocks
-are captured whole.
+Hooks on a block's layers that only move or cast their weights (layerwise casting's
+``module.to``, leaf-level group offloading's onloads and prefetches) run for the whole block
+around its call, and GGUF weights (which Dynamo does not unwrap as eager does) are dequantized
+there (:class:`_hoisted_layer_hooks`), so such blocks are captured whole.
 
-A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, hooks
-on its layers such as leaf-level offloading or TaylorSeer) is captured in parts: Dynamo's graphs
+A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, other
+hooks on its layers such as TaylorSeer) is captured in parts: Dynamo's graphs
 between the breaks go through the engine, the code at the breaks runs as Python; the reason is
 warned once and listed in ``exactdit.report()``. Where the parts' shapes follow the data (a mixture
 of experts routing by token counts) calls with input shapes a block has run capture again; after
@@ -152,7 +152,7 @@ class EngineCall:
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):
-        with _cast_for_the_block(self.module):
+        with _hoisted_layer_hooks(self.module):
             if _capture_inside_hooks(self):
                 return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
             return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
@@ -392,48 +392,59 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
 
 
 def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
-    """((layer, hook) of the layers in ``module`` whose only diffusers hook is layerwise casting
-    (``enable_layerwise_casting``), with the layer's own class forward inside it; the layers that
-    hold GGUF weights, :func:`_gguf_layers`). One walk of the module tree by its ``_modules``
-    (``modules()`` costs ten times more; this runs on every call of every block)."""
-    casting, gguf = [], []
-    stack = [module]
+    """((layer, hook chain) of the layers below ``module`` whose diffusers hooks only move or cast
+    their weights (:func:`diffusers_internals.weight_hook_chain`), in the order of the module tree;
+    the layers that hold GGUF weights, :func:`_gguf_layers`). One walk of the tree by its
+    ``_modules`` (``modules()`` costs ten times more; this runs on every call of every block)."""
+    hooked, gguf = [], []
+    stack = list(reversed(module._modules.values()))
     while stack:
         m = stack.pop()
-        stack.extend(m._modules.values())
-        d = m.__dict__
-        registry = diffusers_internals.hook_registry(d)
-        if registry is not None:
-            chain = diffusers_internals.hook_chain(m)
-            if "forward" in d and diffusers_internals.hook_names(d) == ["layerwise_casting"] and len(chain) == 1:
-                hook, inner = registry.hooks["layerwise_casting"], chain[0].forward
-                if (type(hook).__name__ == "LayerwiseCastingHook" and getattr(inner, "__self__", None) is m
-                        and getattr(inner, "__func__", None) is type(m).forward):
-                    casting.append((m, hook))
-        elif type(m).__name__ == "GGUFLinear" and hasattr(d["_parameters"].get("weight"), "quant_type"):
+        stack.extend(reversed(m._modules.values()))
+        if diffusers_internals.hook_registry(m.__dict__) is not None:
+            chain = diffusers_internals.weight_hook_chain(m)
+            if chain:
+                hooked.append((m, chain))
+        elif type(m).__name__ == "GGUFLinear" and hasattr(m.__dict__["_parameters"].get("weight"), "quant_type"):
             gguf.append(m)
-    return casting, _gguf_layers(gguf)
+    return hooked, _gguf_layers(gguf)
 
 
-class _cast_for_the_block:
-    """Layerwise casting and GGUF dequantization (:func:`_gguf_layers`) hoisted to the block: diffusers' ``LayerwiseCastingHook`` casts a layer's
-    weights to the compute dtype before the layer's forward and back to the storage dtype after it
-    (``module.to``, which Dynamo cannot trace: each such layer would break the block's graph).
-    Here the same hook casts every such layer of the block before the block's call and back after
-    it, and the layers run their own forwards in between (hooks set aside): each layer's forward
-    sees the weights it sees under its hook (the storage -> compute cast is exact and the way back
-    gives the stored bits again), so the block is captured whole. Costs one block's weights in the
-    compute dtype while the block runs, instead of one layer's."""
+class _hoisted_layer_hooks:
+    """Layer hooks hoisted to the block: diffusers' hooks that move or cast a layer's weights run
+    for every such layer of the block before the block's call (each ``pre_forward``, outermost
+    first) and after it (each ``post_forward``), and the layers run their own forwards in between,
+    so Dynamo captures the block whole instead of breaking its graph at each layer
+    (``module.to`` and the hooks' ``torch.compiler.disable``d moves cannot be traced). Each layer
+    sees the weights it sees under its hooks:
+
+    * layerwise casting (``enable_layerwise_casting``): the storage -> compute cast is exact and
+      the way back gives the stored bits again;
+    * leaf-level group offloading: the same onloads, prefetches (in the order recorded on the
+      first forward, which is this order) and stream waits, one block's layers at a time; a
+      prefetch that could still be copying one of the block's own layers is waited for
+      (:func:`diffusers_internals.prefetches_in_flight`);
+    * GGUF weights are dequantized as each layer's forward would (:func:`_gguf_layers`).
+
+    Costs one block's weights on the device (or in the compute dtype) while the block runs,
+    instead of one layer's."""
 
     def __init__(self, module: torch.nn.Module):
-        self.leaves, self.gguf = _hoisted_layers(module)
+        self.layers, self.gguf = _hoisted_layers(module)
         self.forwards: list = []
         self.weights: list = []
 
     def __enter__(self):
-        for layer, hook in self.leaves:
+        offload_hooks = []
+        for layer, chain in self.layers:
             self.forwards.append(layer.__dict__.pop("forward"))
-            hook.pre_forward(layer)
+            for ref in reversed(chain):  # outermost first, as the chained forward runs them
+                ref.pre_forward(layer)
+            hook = diffusers_internals.onload_hook(layer)
+            if hook is not None:
+                offload_hooks.append(hook)
+        for stream in diffusers_internals.prefetches_in_flight(offload_hooks):
+            stream.synchronize()
         if self.gguf:
             from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
@@ -445,8 +456,9 @@ class _cast_for_the_block:
         return self
 
     def __exit__(self, *exc):
-        for (layer, hook), forward in zip(self.leaves, self.forwards):
-            hook.post_forward(layer, None)
+        for (layer, chain), forward in zip(self.layers, self.forwards):
+            for ref in chain:  # innermost first
+                ref.post_forward(layer, None)
             layer.forward = forward
         for layer, weight in zip(self.gguf, self.weights):
             layer._parameters["weight"] = weight

@@ -1,6 +1,6 @@
 """exactdit with what diffusers users combine a transformer with (issue 34, the CPU side): peft
 LoRA (one adapter, two with ``set_adapters`` weights, fused, hot-swapped), fp8 layerwise casting,
-torchao int8 weight-only quantization, GGUF, bitsandbytes NF4, attention backends that run on the CPU. Each: the patched model gives the bits of the same
+torchao int8 and float8 weight-only quantization, GGUF, bitsandbytes NF4, attention backends that run on the CPU. Each: the patched model gives the bits of the same
 configuration unpatched, and its blocks are captured whole (one graph per block class, its
 regions run through the gate), so a regression to "captured in parts" or "runs diffusers' code"
 fails here. Tiny Flux and Wan in bf16; the regions run in Triton's interpreter."""
@@ -188,13 +188,16 @@ def test_fp8_layerwise_casting(name):
 
 
 @needs_torchao
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
 @pytest.mark.parametrize("name", MODELS)
-def test_torchao_int8_weight_only(name):
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+def test_torchao_weight_only(name, config):
+    """torchao's int8 and float8 weight-only tensor subclasses on the blocks' linears (float8 with
+    dynamic activations needs a GPU of compute capability 8.9: the device's matrix)."""
+    import torchao.quantization
 
     tr, kw = _build(name)
-    quantize_(tr, Int8WeightOnlyConfig(),
-              filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and in_blocks(n))
+    torchao.quantization.quantize_(tr, getattr(torchao.quantization, config)(),
+                                   filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and in_blocks(n))
     quantized = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and in_blocks(n)
                  and type(m.weight).__name__ != "Parameter"]
     assert quantized
@@ -247,8 +250,14 @@ def test_attention_backends_that_run_on_the_cpu(backend):
     """``set_attention_backend``: diffusers' dispatch to another attention kernel (ATen's CPU flash
     attention, the math path, flex attention's higher-order op) is traced into the block graphs and
     run as the unpatched model runs it; the blocks are captured whole."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
     tr, kw = _build("flux")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (experimental API; flex attention run without compile)
-        tr.set_attention_backend(backend)
-        _check(tr, kw)
+    active = registry.get_active_backend()[0]  # set_attention_backend sets the process's default too
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (experimental API; flex attention run without compile)
+            tr.set_attention_backend(backend)
+            _check(tr, kw)
+    finally:
+        registry.set_active_backend(active)

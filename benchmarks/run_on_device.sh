@@ -51,6 +51,7 @@
 #                    configurations (default: all; bench_ecosystem.py --list names them). Each: equal to the same
 #                    configuration unpatched, eager vs exactdit vs regional compile, capture whole / in parts / eager.
 #                    The full list takes longer than one 10-minute call: split it with ECO_CONFIGS.
+#                    ECO_ARGS="--graphs" adds exactdit with CUDA graphs (LoRA models are graphed too).
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md); for ecosystem also torchao
 # 0.17.0, gguf 0.19.0 and bitsandbytes 0.50.2 (the pip download commands are in BENCHMARKS.md).
 set -u
@@ -180,7 +181,7 @@ for stage in "$@"; do
       configs=${ECO_CONFIGS:-$(python3 benchmarks/models/bench_ecosystem.py --list 2>/dev/null | awk '{print $1}')}
       for c in $configs; do
         t=${ECO_TIMEOUT_S:-240}; case "$c" in gguf*) t=${ECO_GGUF_TIMEOUT_S:-540} ;; esac  # quantizes on the CPU
-        timeout $t python3 benchmarks/models/bench_ecosystem.py $geometry --config full --repeat 5 \
+        timeout $t python3 benchmarks/models/bench_ecosystem.py $geometry --config full --repeat 5 ${ECO_ARGS:-} \
           --configs "$c" 2>&1 | grep -v Warn | tee -a "$OUT/ecosystem_${ECO_MODEL:-flux}.log" | \
           grep -E "^\||^\[" | tail -8
       done ;;

@@ -275,6 +275,16 @@ def run_config(name: str, args) -> dict:
             exactdit.unpatch(tr)
         print(f"[{name}] exactdit {ms:.2f} ms equal={row['equal']} capture={row['capture']} "
               f"fused {row['fused_share']:.0%} in_parts={row['in_parts']} eager={row['engine_eager']}", flush=True)
+        if args.graphs:
+            exactdit.patch(tr, cuda_graphs=True)
+            ms, out = forward_ms(tr, kw, args.repeat)
+            graphed = exactdit.report(show=False).get(f"cuda_graphs.{type(tr).__name__}", {})
+            exactdit.unpatch(tr)
+            _, now = forward_ms(tr, kw, 1)  # (after a hot-swap the reference is the second adapter's)
+            row.update(graphs_ms=ms, graphs_equal=outputs_equal(out, now), graphed=graphed.get("graphed"),
+                       graphed_why=graphed.get("graphed_why"))
+            print(f"[{name}] exactdit + CUDA graphs {ms:.2f} ms equal={row['graphs_equal']} "
+                  f"graphed={row['graphed']} ({row['graphed_why']})", flush=True)
         if args.compile:
             torch._dynamo.reset()
             try:
@@ -326,6 +336,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="one forward's kernel profile (by kind, idle, heaviest kernels, clock, power) for exactdit and compile")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip regional torch.compile")
+    ap.add_argument("--graphs", action="store_true", help="also exactdit.patch(..., cuda_graphs=True)")
     ap.add_argument("--tmp", default=None, help="folder for the GGUF files (default: the system's)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (tiny config, interpreter)")
@@ -357,6 +368,10 @@ def main() -> None:
         results.append(dict(base, path="eager", ms=r["eager_ms"], ratio=1.0, ratio_kind="eager_ms/ms", equal=True))
         results.append(dict(base, path="exactdit", ms=r["exactdit_ms"], ratio=r["eager_ms"] / r["exactdit_ms"],
                             ratio_kind="eager_ms/ms", equal=r["equal"], **extra))
+        if "graphs_ms" in r:
+            results.append(dict(base, path="exactdit + CUDA graphs", ms=r["graphs_ms"],
+                                ratio=r["eager_ms"] / r["graphs_ms"], ratio_kind="eager_ms/ms",
+                                equal=r["graphs_equal"], graphed=r["graphed"], graphed_why=r["graphed_why"]))
         if "compile_ms" in r:
             results.append(dict(base, path="regional torch.compile", ms=r["compile_ms"],
                                 ratio=r["eager_ms"] / r["compile_ms"], ratio_kind="eager_ms/ms",

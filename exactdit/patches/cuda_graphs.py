@@ -35,8 +35,9 @@ not tensors or plain values.
 Calls run without any graph (counted, with the reason, in ``exactdit.report()``) when a graph could
 not be exact or safe: CPU tensors among the arguments, autograd recording, hooks that move weights
 (accelerate offloading, diffusers' group offloading and layerwise casting), context parallelism
-(collectives in the blocks), LoRA adapters (their scales are Python state a graph would freeze),
-global torch forward hooks. ``exactdit.report()`` says per model what is graphed: ``"whole
+(collectives in the blocks), peft adapters other than LoRA, global torch forward hooks. peft's LoRA
+layers are graphed: what their forward reads as Python (active adapters, scales, merged) is part of
+the state a graph is recorded for (:mod:`graph_watch`), so changing it records again. ``exactdit.report()`` says per model what is graphed: ``"whole
 forward"``, ``"block runs"`` or ``"nothing"``, and why.
 """
 

@@ -30,7 +30,10 @@ class _ModelWatch:
     and buffer addresses (``.to()``, loading with ``assign``), the module tree (through the global
     registration counter), attention processors, train/eval, and whether hooks that a graph
     cannot hold are set (accelerate offloading, diffusers' caches and context parallelism, torch
-    forward hooks, LoRA adapters)."""
+    forward hooks, peft adapters other than LoRA). peft's LoRA layers are watched too: what their
+    forward reads as Python (:func:`_lora_state`) is part of the state, so ``set_adapters``,
+    fusing, disabling or deleting adapters records again; a hot-swap copies into the tensors a
+    graph reads and needs no new recording."""
 
     _hooks_installed = False
 
@@ -52,7 +55,9 @@ class _ModelWatch:
         self.tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
-        self.adapters = any(type(m).__module__.startswith("peft") for m in modules)
+        peft = [m for m in modules if type(m).__module__.startswith("peft.")]
+        self.lora = [m.__dict__ for m in peft if _is_lora_layer(m)]
+        self.other_adapters = sorted({type(m).__name__ for m in peft if not _is_lora_layer(m)})
         self.module_ids = {id(m) for m in modules}
         self.generation = _registrations
 
@@ -64,7 +69,7 @@ class _ModelWatch:
             self._rebuild()
         # C-level list builds and compares: this runs before every replay
         snapshot = ([t.data_ptr() for t in self.tensors], [d["training"] for d in self.attrs],
-                    [id(d["processor"]) for d in self.with_processor])
+                    [id(d["processor"]) for d in self.with_processor], [_lora_state(d) for d in self.lora])
         if snapshot != self.snapshot:
             self.snapshot, self.epoch = snapshot, self.epoch + 1
         never, not_whole = self._cannot_hold()
@@ -74,8 +79,9 @@ class _ModelWatch:
 
     def _cannot_hold(self) -> tuple[str | None, str | None]:
         """(why no graph at all, why no whole-forward graph)."""
-        if self.adapters:
-            return "LoRA adapters (their scales are Python state a graph would freeze)", None
+        if self.other_adapters:
+            return (f"peft layers other than LoRA's ({', '.join(self.other_adapters)}): their Python state "
+                    "is not watched"), None
         if getattr(self.module, "_parallel_config", None) is not None:
             return "context parallelism (collectives in the blocks are not recorded)", None
         self.block_reasons = {}
@@ -102,6 +108,24 @@ class _ModelWatch:
         if key not in self.block_reasons:
             self.block_reasons[key] = _block_hooks(block, inner)
         return self.block_reasons[key]
+
+
+def _is_lora_layer(module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def _lora_state(attrs: dict) -> tuple:
+    """What a peft LoRA layer's forward reads as Python state (from its ``__dict__``), which a graph
+    would freeze: the active adapters, whether adapters are disabled, the merged ones, each
+    adapter's scale (a number; a tensor, as hot-swap makes them, by identity: the graph reads its
+    memory), variants (DoRA, ...) and the input cast switch."""
+    active = attrs.get("_active_adapter")
+    scales = tuple((k, v if isinstance(v, (int, float)) else id(v)) for k, v in attrs.get("scaling", {}).items())
+    return (active if isinstance(active, str) else tuple(active or ()), attrs.get("_disable_adapters"),
+            tuple(attrs.get("merged_adapters", ())), scales, tuple(attrs.get("lora_variant", ())),
+            attrs.get("cast_input_dtype_enabled"))
 
 
 def _hook_a_graph_cannot_hold(attrs: dict) -> tuple[str | None, str | None]:

@@ -95,12 +95,43 @@ def test_hooks_a_graph_cannot_hold_are_named(flux):
     assert "diffusers hooks" in _hook_reason(tr2)
 
 
-def test_lora_adapters_are_named(flux):
-    from peft import LoraConfig
+def test_lora_adapters_are_held_and_other_peft_adapters_named(flux):
+    from peft import LoHaConfig, LoraConfig
 
     tr, _ = flux
     tr.add_adapter(LoraConfig(r=4, target_modules=["to_q"]))
-    assert "LoRA" in _hook_reason(tr)
+    with torch.no_grad():
+        assert _hook_reason(tr) is None
+    tr.add_adapter(LoHaConfig(r=4, target_modules=["to_k"]), adapter_name="loha")
+    with torch.no_grad():
+        assert "peft layers other than LoRA's (Linear)" in _hook_reason(tr)
+
+
+def test_what_lora_layers_read_as_python_is_part_of_the_state(flux):
+    """The state a graph is recorded for changes with what a LoRA layer's forward reads as Python
+    (active adapters, their weights, disabled, merged), and not when a hot-swap copies new values
+    into the scale tensors a graph reads."""
+    from tests.ecosystem import lora_state_dict
+
+    tr, _ = flux
+    tr.load_lora_adapter(lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+    tr.load_lora_adapter(lora_state_dict(tr, 2, rank=4), adapter_name="b", prefix=None)
+    watch = _ModelWatch(tr)
+
+    def key():
+        with torch.no_grad():
+            return watch.state()[0]
+
+    keys = [key()]
+    for change in (lambda: tr.set_adapters(["a", "b"], weights=[0.7, 0.4]),
+                   lambda: tr.set_adapters(["a", "b"], weights=[0.7, 0.5]),
+                   lambda: tr.set_adapters("a"),
+                   tr.disable_lora, tr.enable_lora,
+                   lambda: tr.fuse_lora(lora_scale=0.8), tr.unfuse_lora):
+        change()
+        keys.append(key())
+        assert keys[-1] != keys[-2], len(keys)
+    assert key() == keys[-1]  # nothing changed: the same state
 
 
 @pytest.mark.parametrize("make", [
@@ -573,3 +604,50 @@ def test_graphed_calls_wait_for_kernels_still_compiling(stand_in, monkeypatch):
         tr(*_toy_inputs(0))
     exactdit.unpatch(tr)
     assert seen and not any(seen)
+
+
+def test_a_lora_hotswap_keeps_the_state(flux):
+    """A hot-swap copies the new adapter into the weights and the scale tensors a graph reads (no
+    new recording); a graph replayed after it computes the new adapter."""
+    from tests.ecosystem import lora_state_dict
+
+    tr, _ = flux
+    tr.enable_lora_hotswap(target_rank=8)
+    tr.load_lora_adapter(lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+    watch = _ModelWatch(tr)
+    with torch.no_grad():
+        before = watch.state()[0]
+        tr.load_lora_adapter(lora_state_dict(tr, 2, rank=8), adapter_name="a", prefix=None, hotswap=True)
+        assert watch.state()[0] == before
+
+
+def test_lora_models_are_recorded_and_record_again_when_their_adapters_change(stand_in):
+    """A Flux with two LoRA adapters is recorded whole; a change of the adapters' weights records
+    again (the first call after it runs the model), and every call gives the unpatched bits."""
+    from tests.ecosystem import lora_state_dict
+
+    kind = stand_in()
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=3)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=4)
+    tr.load_lora_adapter(lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+    tr.load_lora_adapter(lora_state_dict(tr, 2, rank=4), adapter_name="b", prefix=None)
+    weights = ([0.7, 0.4], [0.2, 0.9])
+    refs = []
+    for w in weights:
+        tr.set_adapters(["a", "b"], weights=w)
+        refs.append(models.run_forward(tr, kw))
+    assert not torch.equal(*refs)
+    outs = []
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        with torch.no_grad():
+            for w in weights:
+                tr.set_adapters(["a", "b"], weights=w)
+                outs.append([models.run_forward(tr, kw) for _ in range(3)])
+    finally:
+        exactdit.unpatch(tr)
+    for calls, ref in zip(outs, refs):
+        for out in calls:
+            assert_bits_equal(out, ref)
+    assert kind.captures == ["forward"] * 2
+    assert _entry("FluxTransformer2DModel")["graphed"] == "whole forward"

@@ -158,6 +158,39 @@ def test_weights_changed_in_place_are_read_and_moved_weights_recorded_again():
     assert cuda_graphs.graphed(tr) is None
 
 
+def test_lora_replays_follow_adapter_changes():
+    """peft LoRA adapters: replays equal the unpatched model after ``set_adapters`` weights
+    change, after a hot-swap (which also resets the swapped adapter's weight: recorded again) and
+    after ``fuse_lora``."""
+    from tests.ecosystem import lora_state_dict
+
+    def build():
+        tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, device="cuda", seed=1)
+        tr.enable_lora_hotswap(target_rank=8)
+        tr.load_lora_adapter(lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+        tr.load_lora_adapter(lora_state_dict(tr, 2, rank=8), adapter_name="b", prefix=None)
+        return tr
+
+    def steps(tr):
+        yield tr.set_adapters(["a", "b"], weights=[0.7, 0.4])
+        yield tr.set_adapters(["a", "b"], weights=[0.2, 0.9])
+        yield tr.load_lora_adapter(lora_state_dict(tr, 3, rank=8), adapter_name="a", prefix=None, hotswap=True)
+        yield tr.fuse_lora(lora_scale=0.8)
+
+    unpatched, tr = build(), build()
+    (kw,) = _calls("flux", tr, [2])
+    refs = [_run(unpatched, kw) for _ in steps(unpatched)]
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = [[_run(tr, kw) for _ in range(3)] for _ in steps(tr)]
+    finally:
+        exactdit.unpatch(tr)
+    for calls, ref in zip(outs, refs):
+        assert all(outputs_equal(out, ref) for out in calls)
+    assert len(set(r.sum().item() for r in refs)) == len(refs)  # each step changed the output
+    assert _stats("FluxTransformer2DModel")["fused"] > 0
+
+
 def test_cache_hooks_keep_their_python_and_the_blocks_beneath_replay():
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 

@@ -465,6 +465,13 @@ class _hoisted_layer_hooks:
         return False
 
 
+def dequantizes_gguf(block: torch.nn.Module) -> bool:
+    """Whether ``block`` has diffusers ``GGUFLinear`` layers whose weights are dequantized around
+    its call (:func:`_gguf_layers`; decided by the layer class, as inside the call the weights
+    are the dequantized copies)."""
+    return bool(_gguf_layers([m for m in block.modules() if type(m).__name__ == "GGUFLinear"]))
+
+
 def _gguf_layers(found: list) -> list:
     """Of ``found``, diffusers' ``GGUFLinear`` layers with a GGUF-quantized weight, those that
     dequantize it in their forward (``forward_native``: no GGUF CUDA kernels loaded). Their weights

@@ -59,6 +59,7 @@ class _ModelWatch:
         self.lora = [m.__dict__ for m in peft if _is_lora_layer(m)]
         self.other_adapters = sorted({type(m).__name__ for m in peft if not _is_lora_layer(m)})
         self.module_ids = {id(m) for m in modules}
+        self.gguf = any(type(m).__name__ == "GGUFLinear" for m in modules)  # (see _block_hooks)
         self.generation = _registrations
 
     def state(self) -> tuple[tuple, str | None, str | None]:
@@ -99,10 +100,11 @@ class _ModelWatch:
         return None, not_whole
 
     def block_reason(self, block: torch.nn.Module, inner: bool) -> str | None:
-        """Why a call of ``block`` may not be recorded for the hooks on it or its layers, or None;
-        ``inner``: the call is the block's own forward beneath its diffusers hooks (which run as
-        Python around the graph). Only hooks can make a reason: None at once without any."""
-        if not self.hooked:
+        """Why a call of ``block`` may not be recorded for the hooks on it or its layers (or GGUF
+        weights dequantized around it), or None; ``inner``: the call is the block's own forward
+        beneath its diffusers hooks (which run as Python around the graph). None at once without
+        any hook or GGUF layer in the model."""
+        if not (self.hooked or self.gguf):
             return None
         key = (id(block), inner)
         if key not in self.block_reasons:
@@ -145,7 +147,15 @@ def _hook_a_graph_cannot_hold(attrs: dict) -> tuple[str | None, str | None]:
     return None, None
 
 
+GGUF_WEIGHTS = ("its layers' GGUF weights are dequantized around its call (a graph would go on reading the "
+                "copies made when it was recorded)")
+
+
 def _block_hooks(block: torch.nn.Module, inner: bool) -> str | None:
+    from exactdit.patches import engine
+
+    if engine.dequantizes_gguf(block):
+        return GGUF_WEIGHTS
     for m in block.modules():
         d = m.__dict__
         if m is block and inner:

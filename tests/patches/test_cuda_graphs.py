@@ -651,3 +651,35 @@ def test_lora_models_are_recorded_and_record_again_when_their_adapters_change(st
             assert_bits_equal(out, ref)
     assert kind.captures == ["forward"] * 2
     assert _entry("FluxTransformer2DModel")["graphed"] == "whole forward"
+
+
+def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(stand_in, tmp_path):
+    """GGUF weights are dequantized around each block's call (patches.engine.hoisted_layers): a
+    block graph would read the copies of its recording, so where the forward runs as block runs
+    (Qwen-Image's host work) those blocks run unrecorded, with the reason, and equal."""
+    import gguf
+    from diffusers import GGUFQuantizationConfig
+
+    from exactdit.patches.graph_watch import GGUF_WEIGHTS
+    from tests.ecosystem import write_gguf
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = models.build_transformer("qwen", "tiny", dtype=torch.bfloat16, seed=1)
+    path = write_gguf(tr, str(tmp_path), gguf.GGMLQuantizationType.Q8_0, arch="qwen")
+    tr = type(tr).from_single_file(path, config=str(tmp_path), torch_dtype=torch.bfloat16, local_files_only=True,
+                                   quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+    kw = models.forward_inputs("qwen", tr, batch=2, text_len=[7, 4], seed=2, height=32, width=32)
+    ref = models.run_forward(tr, kw)
+    try:
+        exactdit.patch(tr, cuda_graphs=True)
+        with torch.no_grad():
+            outs = [models.run_forward(tr, kw) for _ in range(3)]
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    quantized = [m for _, m in engine.targets(tr) if engine.dequantizes_gguf(m)]
+    plain = len(engine.targets(tr)) - len(quantized)  # (the final norm's linear is not quantized here)
+    assert quantized and kind.captures == ["block"] * plain
+    blocks = _blocks(type(tr).__name__)
+    assert blocks["eager_reasons"].get(GGUF_WEIGHTS) == 2 * len(quantized), blocks  # (the 1st call: no graph)

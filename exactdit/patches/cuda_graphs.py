@@ -29,8 +29,8 @@ nothing a caller holds is ever overwritten. Blocks under diffusers hooks (the fi
 MagCache) are recorded beneath them: the hooks run as Python around the block's graph. Blocks not
 recorded, with the reason: blocks captured in parts (Python at their graph breaks) or running
 diffusers' code, blocks with hooks on their layers or torch forward hooks (traced into their
-graph, which would freeze their Python), blocks that write into their inputs, arguments that are
-not tensors or plain values.
+graph, which would freeze their Python), blocks that write into their inputs, blocks whose GGUF
+weights are dequantized around their call, arguments that are not tensors or plain values.
 
 Calls run without any graph (counted, with the reason, in ``exactdit.report()``) when a graph could
 not be exact or safe: CPU tensors among the arguments, autograd recording, hooks that move weights

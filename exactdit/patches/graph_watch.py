@@ -27,7 +27,7 @@ WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise
 
 class _ModelWatch:
     """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
-    and buffer addresses (``.to()``, loading with ``assign``), the module tree (through the global
+    and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the module tree (through the global
     registration counter), attention processors, train/eval, and whether hooks that a graph
     cannot hold are set (accelerate offloading, diffusers' caches and context parallelism, torch
     forward hooks, peft adapters other than LoRA). peft's LoRA layers are watched too: what their
@@ -53,6 +53,9 @@ class _ModelWatch:
         modules = list(self.module.modules())
         self.attrs = [m.__dict__ for m in modules]  # not getattr: nn.Module.__getattr__ is slow on a miss
         self.tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        # tensor subclasses that wrap others (torchao's quantized weights) have no address of their own
+        self.wrappers = [t for t in self.tensors if hasattr(t, "__tensor_flatten__")]
+        self.plain = [t for t in self.tensors if not hasattr(t, "__tensor_flatten__")]
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
         peft = [m for m in modules if type(m).__module__.startswith("peft.")]
@@ -69,8 +72,9 @@ class _ModelWatch:
         if self.generation != _registrations:
             self._rebuild()
         # C-level list builds and compares: this runs before every replay
-        snapshot = ([t.data_ptr() for t in self.tensors], [d["training"] for d in self.attrs],
-                    [id(d["processor"]) for d in self.with_processor], [_lora_state(d) for d in self.lora])
+        snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for t in self.wrappers],
+                    [d["training"] for d in self.attrs], [id(d["processor"]) for d in self.with_processor],
+                    [_lora_state(d) for d in self.lora])
         if snapshot != self.snapshot:
             self.snapshot, self.epoch = snapshot, self.epoch + 1
         never, not_whole = self._cannot_hold()
@@ -110,6 +114,15 @@ class _ModelWatch:
         if key not in self.block_reasons:
             self.block_reasons[key] = _block_hooks(block, inner)
         return self.block_reasons[key]
+
+
+def _addresses(t: torch.Tensor):
+    """The addresses of the tensors a wrapper subclass holds (its ``__tensor_flatten__`` names),
+    nested: what a graph reads of it (``data_ptr`` of the wrapper itself is 0)."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return t.data_ptr()
+    names, _ = t.__tensor_flatten__()
+    return tuple(_addresses(getattr(t, name)) for name in names)
 
 
 def _is_lora_layer(module) -> bool:

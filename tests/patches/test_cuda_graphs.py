@@ -3,6 +3,7 @@ and that such calls run the model unchanged (replays themselves: tests/patches/t
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -683,3 +684,22 @@ def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(
     assert quantized and kind.captures == ["block"] * plain
     blocks = _blocks(type(tr).__name__)
     assert blocks["eager_reasons"].get(GGUF_WEIGHTS) == 2 * len(quantized), blocks  # (the 1st call: no graph)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed (exactdit[quant])")
+def test_weights_inside_tensor_subclasses_are_watched(flux):
+    """torchao's quantized weights wrap the tensors a graph reads (their own data_ptr is 0): a new
+    tensor inside one changes the state a graph is recorded for, as a moved plain weight does."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    tr, _ = flux
+    quantize_(tr, Int8WeightOnlyConfig(), filter_fn=lambda m, n: isinstance(m, torch.nn.Linear) and "blocks" in n)
+    watch = _ModelWatch(tr)
+    with torch.no_grad():
+        before = watch.state()[0]
+        assert watch.state()[0] == before
+        weight = tr.transformer_blocks[0].attn.to_q.weight
+        assert weight.data_ptr() == 0 and hasattr(weight, "__tensor_flatten__")
+        inner = weight.__tensor_flatten__()[0][0]
+        setattr(weight, inner, getattr(weight, inner).clone())  # as a move to another device would
+        assert watch.state()[0] != before

@@ -37,8 +37,9 @@ not be exact or safe: CPU tensors among the arguments, autograd recording, hooks
 (accelerate offloading, diffusers' group offloading and layerwise casting), context parallelism
 (collectives in the blocks), peft adapters other than LoRA, global torch forward hooks. peft's LoRA
 layers are graphed: what their forward reads as Python (active adapters, scales, merged) is part of
-the state a graph is recorded for (:mod:`graph_watch`), so changing it records again. ``exactdit.report()`` says per model what is graphed: ``"whole
-forward"``, ``"block runs"`` or ``"nothing"``, and why.
+the state a graph is recorded for (:mod:`graph_watch`), so changing it records again.
+``exactdit.report()`` says per model what is graphed: ``"whole forward"``, ``"block runs"`` or
+``"nothing"``, and why.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise
 
 class _ModelWatch:
     """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
-    and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the module tree (through the global
-    registration counter), attention processors, train/eval, and whether hooks that a graph
-    cannot hold are set (accelerate offloading, diffusers' caches and context parallelism, torch
+    and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the
+    module tree (through the global registration counter), attention processors, train/eval, and
+    whether hooks that a graph cannot hold are set (accelerate offloading, diffusers' caches and context parallelism, torch
     forward hooks, peft adapters other than LoRA). peft's LoRA layers are watched too: what their
     forward reads as Python (:func:`_lora_state`) is part of the state, so ``set_adapters``,
     fusing, disabling or deleting adapters records again; a hot-swap copies into the tensors a
@@ -62,7 +62,7 @@ class _ModelWatch:
         self.lora = [m.__dict__ for m in peft if _is_lora_layer(m)]
         self.other_adapters = sorted({type(m).__name__ for m in peft if not _is_lora_layer(m)})
         self.module_ids = {id(m) for m in modules}
-        self.gguf = any(type(m).__name__ == "GGUFLinear" for m in modules)  # (see _block_hooks)
+        self.gguf = any(type(m).__name__ == "GGUFLinear" for m in modules)  # see block_reason
         self.generation = _registrations
 
     def state(self) -> tuple[tuple, str | None, str | None]:

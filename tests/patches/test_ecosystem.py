@@ -1,7 +1,7 @@
 """exactdit with what diffusers users combine a transformer with (issue 34, the CPU side): peft
 LoRA (one adapter, two with ``set_adapters`` weights, fused, hot-swapped), fp8 layerwise casting,
-torchao int8 and float8 weight-only quantization, GGUF, bitsandbytes NF4, attention backends that run on the CPU. Each: the patched model gives the bits of the same
-configuration unpatched, and its blocks are captured whole (one graph per block class, its
+torchao int8 and float8 weight-only quantization, GGUF, bitsandbytes NF4, attention backends that
+run on the CPU. Each: the patched model gives the bits of the same configuration unpatched, and its blocks are captured whole (one graph per block class, its
 regions run through the gate), so a regression to "captured in parts" or "runs diffusers' code"
 fails here. Tiny Flux and Wan in bf16; the regions run in Triton's interpreter."""
 

@@ -31,9 +31,9 @@ class _ModelWatch:
     module tree (through the global registration counter), attention processors, train/eval, and
     whether hooks that a graph cannot hold are set (accelerate offloading, diffusers' caches and
     context parallelism, torch forward hooks, peft adapters other than LoRA). peft's LoRA layers
-    are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the state, so ``set_adapters``,
-    fusing, disabling or deleting adapters records again; a hot-swap copies into the tensors a
-    graph reads and needs no new recording."""
+    are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the
+    state, so ``set_adapters``, fusing, disabling or deleting adapters records again; a hot-swap
+    that copies into the tensors a graph reads needs no new recording."""
 
     _hooks_installed = False
 

@@ -28,10 +28,10 @@ WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise
 class _ModelWatch:
     """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
     and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the
-    module tree (through the global registration counter), attention processors, train/eval, and
-    whether hooks that a graph cannot hold are set (accelerate offloading, diffusers' caches and
-    context parallelism, torch forward hooks, peft adapters other than LoRA). peft's LoRA layers
-    are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the
+    module tree (through the global registration counter), attention processors and the backends
+    they dispatch to, train/eval, and whether hooks that a graph cannot hold are set (accelerate
+    offloading, diffusers' caches and context parallelism, torch forward hooks, peft adapters
+    other than LoRA). peft's LoRA layers are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the
     state, so ``set_adapters``, fusing, disabling or deleting adapters records again; a hot-swap
     that copies into the tensors a graph reads needs no new recording."""
 
@@ -74,7 +74,8 @@ class _ModelWatch:
         # C-level list builds and compares: this runs before every replay
         snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for t in self.wrappers],
                     [d["training"] for d in self.attrs], [id(d["processor"]) for d in self.with_processor],
-                    [_lora_state(d) for d in self.lora])
+                    [diffusers_internals.attention_backend(d["processor"]) for d in self.with_processor],
+                    diffusers_internals.default_attention_backend(), [_lora_state(d) for d in self.lora])
         if snapshot != self.snapshot:
             self.snapshot, self.epoch = snapshot, self.epoch + 1
         never, not_whole = self._cannot_hold()

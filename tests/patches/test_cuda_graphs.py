@@ -703,3 +703,30 @@ def test_weights_inside_tensor_subclasses_are_watched(flux):
         inner = weight.__tensor_flatten__()[0][0]
         setattr(weight, inner, getattr(weight, inner).clone())  # as a move to another device would
         assert watch.state()[0] != before
+
+
+def test_an_attention_backend_set_after_recording_records_again(stand_in):
+    """``set_attention_backend`` changes what the processors dispatch to (an attribute of each
+    processor, and diffusers' process-wide default) without new processors: the graphs recorded
+    with the old backend must not replay."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    kind = stand_in()
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=3)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=4)
+    active = registry.get_active_backend()[0]
+    try:
+        exactdit.patch(tr, cuda_graphs=True)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (experimental API)
+            for _ in range(3):
+                models.run_forward(tr, kw)
+            tr.set_attention_backend("_native_math")
+            outs = [models.run_forward(tr, kw) for _ in range(3)]
+        exactdit.unpatch(tr)
+        ref = models.run_forward(tr, kw)
+    finally:
+        registry.set_active_backend(active)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert kind.captures == ["forward"] * 2

@@ -8,7 +8,7 @@ admits). A new diffusers release that moves any of these is a change to this mod
 * which hooks only move or cast a layer's weights (layerwise casting, group offloading and its
   execution-order tracker), and group offloading's groups, their prefetch chain and side streams
   (:func:`prefetches_in_flight`);
-* the attention backend each processor dispatches to, and the process-wide default;
+* diffusers' process-wide attention backend (each processor's own is one of its attributes);
 * the block classes a transformer lists for ``compile_repeated_blocks`` (``_repeated_blocks``;
   the engine's capture is handed them: :func:`exactdit.patches.engine.repeated_blocks`);
 * a transformer class's context-parallel plan (``_cp_plan``).
@@ -78,12 +78,6 @@ def prefetches_in_flight(hooks: list) -> list:
     groups = {id(h.group) for h in hooks}
     return [h.next_group.stream for h in hooks[-1:]
             if h.next_group is not None and id(h.next_group) in groups and h.next_group.stream is not None]
-
-
-def attention_backend(processor):
-    """The attention backend an attention processor dispatches to (``set_attention_backend`` sets
-    it on each processor; None: diffusers' process-wide default, :func:`default_attention_backend`)."""
-    return getattr(processor, "_attention_backend", None)
 
 
 def default_attention_backend():

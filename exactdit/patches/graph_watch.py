@@ -28,8 +28,8 @@ WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise
 class _ModelWatch:
     """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
     and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the
-    module tree (through the global registration counter), attention processors and the backends
-    they dispatch to, train/eval, and whether hooks that a graph cannot hold are set (accelerate
+    module tree (through the global registration counter), attention processors and their
+    settings (backend, IP-Adapter scale: :func:`_settings`), train/eval, and whether hooks that a graph cannot hold are set (accelerate
     offloading, diffusers' caches and context parallelism, torch forward hooks, peft adapters
     other than LoRA). peft's LoRA layers are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the
     state, so ``set_adapters``, fusing, disabling or deleting adapters records again; a hot-swap
@@ -74,7 +74,7 @@ class _ModelWatch:
         # C-level list builds and compares: this runs before every replay
         snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for t in self.wrappers],
                     [d["training"] for d in self.attrs], [id(d["processor"]) for d in self.with_processor],
-                    [diffusers_internals.attention_backend(d["processor"]) for d in self.with_processor],
+                    [_settings(d["processor"]) for d in self.with_processor],
                     diffusers_internals.default_attention_backend(), [_lora_state(d) for d in self.lora])
         if snapshot != self.snapshot:
             self.snapshot, self.epoch = snapshot, self.epoch + 1
@@ -124,6 +124,17 @@ def _addresses(t: torch.Tensor):
         return t.data_ptr()
     names, _ = t.__tensor_flatten__()
     return tuple(_addresses(getattr(t, name)) for name in names)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(obj) -> tuple:
+    """The plain values an object holds (numbers, strings, enums, None, and lists or tuples of
+    them): what an attention processor's call reads as Python and a graph would freeze (its
+    backend, ``set_attention_backend``; an IP-Adapter's ``scale``, ``set_ip_adapter_scale``)."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in getattr(obj, "__dict__", {}).items()
+                 if isinstance(v, _PLAIN) or (isinstance(v, (list, tuple)) and all(isinstance(x, _PLAIN) for x in v)))
 
 
 def _is_lora_layer(module) -> bool:

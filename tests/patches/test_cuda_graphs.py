@@ -730,3 +730,20 @@ def test_an_attention_backend_set_after_recording_records_again(stand_in):
     for out in outs:
         assert_bits_equal(out, ref)
     assert kind.captures == ["forward"] * 2
+
+
+def test_processor_settings_are_part_of_the_state(flux):
+    """What an attention processor's call reads as Python (an IP-Adapter's ``scale`` list, set by
+    ``set_ip_adapter_scale``) changes the state a graph is recorded for; other objects it holds
+    do not."""
+    tr, _ = flux
+    processor = tr.transformer_blocks[0].attn.processor
+    processor.scale = [0.5]
+    watch = _ModelWatch(tr)
+    with torch.no_grad():
+        before = watch.state()[0]
+        processor.scale = [0.5]
+        processor.cache = {"a": torch.zeros(1)}  # not a plain value: not part of the state
+        assert watch.state()[0] == before
+        processor.scale = [0.7]
+        assert watch.state()[0] != before

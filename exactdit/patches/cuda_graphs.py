@@ -528,8 +528,18 @@ def _written(t: torch.Tensor) -> torch.Tensor:
 
 
 def _modes() -> tuple:
+    """The process-wide settings a recording freezes: grad and inference mode, autocast, and the
+    switches that pick the library kernels eager would run (TF32 and reduced-precision reductions
+    of cuBLAS, cuDNN's, SDPA's backends, deterministic algorithms, the BLAS library): a call under
+    other settings is another signature."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            cuda.matmul.allow_tf32, cuda.matmul.allow_bf16_reduced_precision_reduction,
+            cuda.matmul.allow_fp16_reduced_precision_reduction, getattr(cuda.matmul, "allow_fp16_accumulation", None),
+            torch.get_float32_matmul_precision(), cudnn.enabled, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled(), cuda.preferred_blas_library())
 
 
 def _unsupported_arguments(leaves: list) -> str | None:

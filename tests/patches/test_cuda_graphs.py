@@ -747,3 +747,22 @@ def test_processor_settings_are_part_of_the_state(flux):
         assert watch.state()[0] == before
         processor.scale = [0.7]
         assert watch.state()[0] != before
+
+
+def test_library_switches_set_after_recording_record_again(stand_in):
+    """A switch that picks the library kernels eager runs (here SDPA's flash backend, as
+    ``sdpa_kernel`` sets it) makes a call another signature: recorded on its own, not replayed
+    from the graph recorded under the other setting."""
+    kind = stand_in()
+    tr = _toy()
+    calls = [_toy_inputs(s) for s in range(2)]  # one signature
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        _calls(tr, calls * 2)
+        torch.backends.cuda.enable_flash_sdp(not flash)
+        _calls(tr, calls * 2)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+        exactdit.unpatch(tr)
+    assert kind.captures == ["forward"] * 2

@@ -528,12 +528,12 @@ def _written(t: torch.Tensor) -> torch.Tensor:
 
 
 def _modes() -> tuple:
-    """The process-wide settings a recording freezes: grad and inference mode, autocast, and the
-    switches that pick the library kernels eager would run (TF32 and reduced-precision reductions
-    of cuBLAS, cuDNN's, SDPA's backends, deterministic algorithms, the BLAS library): a call under
-    other settings is another signature."""
+    """The process-wide settings a recording freezes: grad and inference mode, the default dtype
+    (tensors a forward creates), autocast, and the switches that pick the library kernels eager
+    would run (TF32 and reduced-precision reductions of cuBLAS, cuDNN's, SDPA's backends,
+    deterministic algorithms, the BLAS library): a call under other settings is another signature."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             cuda.matmul.allow_tf32, cuda.matmul.allow_bf16_reduced_precision_reduction,
             cuda.matmul.allow_fp16_reduced_precision_reduction, getattr(cuda.matmul, "allow_fp16_accumulation", None),

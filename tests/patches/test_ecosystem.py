@@ -261,3 +261,28 @@ def test_attention_backends_that_run_on_the_cpu(backend):
             _check(tr, kw)
     finally:
         registry.set_active_backend(active)
+
+
+@pytest.mark.slow
+@needs_peft
+def test_the_ecosystem_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/models/bench_ecosystem.py, which the device runs (rows of the matrix, CUDA graphs
+    with --graphs), on the tiny Flux in the interpreter: every row ran and is equal, so a device
+    session is not spent on the script's own errors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    configs = ["plain", "lora-2", "lora-hotswap", "fp8-cast", "group-offload-leaf"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "models", "bench_ecosystem.py"), "--device", "cpu",
+         "--config", "tiny", "--height", "32", "--width", "32", "--repeat", "1", "--no-compile", "--graphs",
+         "--configs", *configs],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, OUT=str(tmp_path)), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["config"] for r in rows} == set(configs)
+    assert all(r["status"] == "ok" and r["equal"] for r in rows), [r for r in rows if not r["equal"]]
+    assert {r["path"] for r in rows} == {"eager", "exactdit", "exactdit + CUDA graphs"}

@@ -120,10 +120,12 @@ class _ModelWatch:
 def _addresses(t: torch.Tensor):
     """The addresses of the tensors a wrapper subclass holds (its ``__tensor_flatten__`` names),
     nested: what a graph reads of it (``data_ptr`` of the wrapper itself is 0)."""
+    if not isinstance(t, torch.Tensor):
+        return None
     if not hasattr(t, "__tensor_flatten__"):
         return t.data_ptr()
     names, _ = t.__tensor_flatten__()
-    return tuple(_addresses(getattr(t, name)) for name in names)
+    return tuple(_addresses(getattr(t, name, None)) for name in names)
 
 
 _PLAIN = (bool, int, float, str, type(None))

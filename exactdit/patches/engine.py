@@ -435,6 +435,14 @@ class _hoisted_layer_hooks:
         self.weights: list = []
 
     def __enter__(self):
+        try:
+            self._enter()
+        except BaseException:  # (an onload that runs out of memory, say): the hooks go back on their layers
+            self.__exit__()
+            raise
+        return self
+
+    def _enter(self) -> None:
         offload_hooks = []
         for layer, chain in self.layers:
             self.forwards.append(layer.__dict__.pop("forward"))
@@ -453,7 +461,6 @@ class _hoisted_layer_hooks:
                 self.weights.append(weight)
                 layer._parameters["weight"] = torch.nn.Parameter(
                     dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
-        return self
 
     def __exit__(self, *exc):
         for (layer, chain), forward in zip(self.layers, self.forwards):

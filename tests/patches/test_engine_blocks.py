@@ -373,3 +373,37 @@ def test_hooks_inside_blocks_capture_those_blocks_in_parts_until_removed():
     assert _graph_runs("FluxTransformerBlock") - in_parts == whole + len(tr.transformer_blocks)
     with torch.no_grad():
         assert_bits_equal(plain, tr(**calls[0], return_dict=False)[0])
+
+
+def test_a_layer_hook_that_fails_before_the_block_leaves_every_hook_in_place(monkeypatch):
+    """A weight hook run for the block's layers that raises (an onload out of memory, say): the
+    call raises that error, every layer has its hooked forward back, and the next call is equal."""
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    hooked = {n for n, m in tr.named_modules() if "forward" in m.__dict__}
+    failing = tr.transformer_blocks[0].attn.to_v
+    (ref_,) = failing._diffusers_hook._fn_refs  # the hook's pre_forward as its chained forward calls it
+    pre_forward, failed = ref_.pre_forward, []
+
+    def fails_once(module, *args, **kwargs):
+        if not failed:
+            failed.append(module)
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return pre_forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(ref_, "pre_forward", fails_once)
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    try:
+        with torch.no_grad():
+            with pytest.raises(RuntimeError, match="out of memory"):
+                tr(**kw, return_dict=False)
+            assert {n for n, m in tr.named_modules() if "forward" in m.__dict__} == hooked
+            assert all(p.dtype == torch.float8_e4m3fn for p in failing.parameters())
+            out = tr(**kw, return_dict=False)[0]
+    finally:
+        exactdit.unpatch(tr)
+    assert_bits_equal(out, ref)

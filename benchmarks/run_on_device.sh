@@ -6,6 +6,9 @@
 #   engine-equality  Flux.1-dev forwards at 1024^2 B=1 and 768x1360 B=2, 28-step FluxPipeline md5, test configs
 #   engine-bench     Flux.1-dev 1024^2 B=1: eager, exactdit (kernel-time breakdown, clock, power), regional compile
 #   engine-tests     pytest -m gpu for the engine
+#   unrun-tests      the GPU tests written since the last device run (2026-12-04): calls while kernels compile,
+#                    group offloading (leaf level, streams, prefetch order recorded unpatched or patched), LoRA
+#                    replays across adapter changes; a few minutes
 #   engine-ernie     ERNIE-Image 1024^2 and 512^2 through the engine: one forward each, equal to eager
 #   engine-chroma    diffusers' Chroma test configs
 #   minis-tests      pytest -m gpu tests/minis/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
@@ -76,6 +79,10 @@ for stage in "$@"; do
     engine-bench)
       timeout 195 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
         --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
+    unrun-tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/engine/test_gpu_engine.py \
+        tests/patches/test_gpu_cuda_graphs.py -k "calls_while or group_offloaded or lora_replays" 2>&1 | \
+        tee "$OUT/gpu_unrun_tests.log" | tail -12 ;;
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)

@@ -3,6 +3,7 @@ first call through the engine, untouched by a repeated call, cleared by the stat
 
 import time
 
+import pytest
 import torch
 
 import exactdit
@@ -86,3 +87,24 @@ def test_a_models_first_call_fills_the_account_a_repeated_call_leaves_it_and_res
     assert "first calls: capture " in text and "  FluxTransformer2DModel.FluxTransformerBlock: capture " in text
     state.reset()
     assert first_calls.snapshot() == {} and "first calls" not in str(exactdit.report(show=False))
+
+
+@pytest.mark.slow
+def test_the_first_call_profile_runs_on_the_cpu(tmp_path):
+    """benchmarks/models/profile_first_call.py (the device's first-calls stage) on the tiny Flux in
+    the interpreter: a row per resolution with the phases of the account, so a device session is
+    not spent on the script's own errors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "models", "profile_first_call.py"), "--model", "flux",
+         "--config", "tiny", "--device", "cpu", "--resolutions", "32x32", "48x32"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OUT=str(tmp_path)), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["shape"] for r in rows] == ["32x32 B=1", "48x32 B=1"]
+    assert all(r["first_call_s"] > 0 and r["phases_s"]["capture"] > 0 for r in rows), rows

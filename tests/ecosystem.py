@@ -59,6 +59,15 @@ def write_gguf(tr, folder: str, kind, arch: str) -> str:
     return path
 
 
+def load_gguf(cls, path: str, folder: str):
+    """A ``cls`` transformer from the GGUF checkpoint :func:`write_gguf` wrote, through diffusers'
+    GGUF path (``from_single_file`` + ``GGUFQuantizationConfig``, bf16 compute)."""
+    from diffusers import GGUFQuantizationConfig
+
+    return cls.from_single_file(path, config=folder, torch_dtype=torch.bfloat16, local_files_only=True,
+                                quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+
+
 def to_nf4(tr):
     """``tr`` with the blocks' linear layers replaced by bitsandbytes' 4-bit NF4 layers holding the
     same weights, quantized where the layer lives, bf16 compute: the modules diffusers'

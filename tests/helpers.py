@@ -82,3 +82,19 @@ def with_special_values(t: torch.Tensor) -> torch.Tensor:
     n = min(t.numel(), special.numel())
     t.view(-1)[:n] = special[:n].to(t.device)
     return t
+
+
+def run_benchmark(script: str, *args: str, out_dir) -> list[dict]:
+    """``benchmarks/<script>`` run with ``args`` in a fresh interpreter, its results under
+    ``out_dir`` (``$OUT``): the rows it appended to ``results.jsonl``. Fails with the script's
+    stderr when it exits nonzero (how the device would find it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", script), *args], capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ, OUT=str(out_dir)), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]

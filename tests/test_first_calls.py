@@ -10,6 +10,7 @@ import exactdit
 from exactdit import first_calls, state
 from exactdit.engine import make_backend
 from exactdit.harness import models
+from tests.helpers import run_benchmark
 
 
 def test_a_phase_inside_another_is_taken_out_of_it():
@@ -94,17 +95,7 @@ def test_the_first_call_profile_runs_on_the_cpu(tmp_path):
     """benchmarks/models/profile_first_call.py (the device's first-calls stage) on the tiny Flux in
     the interpreter: a row per resolution with the phases of the account, so a device session is
     not spent on the script's own errors."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "models", "profile_first_call.py"), "--model", "flux",
-         "--config", "tiny", "--device", "cpu", "--resolutions", "32x32", "48x32"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OUT=str(tmp_path)), cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = run_benchmark("models/profile_first_call.py", "--model", "flux", "--config", "tiny", "--device", "cpu",
+                         "--resolutions", "32x32", "48x32", out_dir=tmp_path)
     assert [r["shape"] for r in rows] == ["32x32 B=1", "48x32 B=1"]
     assert all(r["first_call_s"] > 0 and r["phases_s"]["capture"] > 0 for r in rows), rows

@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import exactdit  # noqa: E402
 from benchmarks.runner import (append_results, environment, first_call_s, forward_ms,  # noqa: E402
                                outputs_equal, write_json)
-from tests.ecosystem import in_blocks, lora_state_dict, to_nf4, write_gguf  # noqa: E402
+from tests.ecosystem import in_blocks, load_gguf, lora_state_dict, to_nf4, write_gguf  # noqa: E402
 
 
 class Skip(Exception):
@@ -96,7 +96,6 @@ def _gguf(qtype):
         _need("gguf", "exactdit[quant]")
         import gguf
         import numpy as np
-        from diffusers import GGUFQuantizationConfig
 
         kind = getattr(gguf.GGMLQuantizationType, qtype)
         try:
@@ -109,8 +108,7 @@ def _gguf(qtype):
         del tr
         gc.collect()
         torch.cuda.empty_cache()
-        out = cls.from_single_file(path, config=folder, torch_dtype=torch.bfloat16, local_files_only=True,
-                                   quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+        out = load_gguf(cls, path, folder)
         os.remove(path)
         return out.to(args.device)
     return apply

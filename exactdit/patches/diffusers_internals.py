@@ -8,6 +8,7 @@ admits). A new diffusers release that moves any of these is a change to this mod
 * which hooks only move or cast a layer's weights (layerwise casting, group offloading and its
   execution-order tracker), and group offloading's groups, their prefetch chain and side streams
   (:func:`prefetches_in_flight`);
+* diffusers' ``GGUFLinear`` layers and whether their forward dequantizes (no GGUF CUDA kernels);
 * diffusers' process-wide attention backend (each processor's own is one of its attributes);
 * the block classes a transformer lists for ``compile_repeated_blocks`` (``_repeated_blocks``;
   the engine's capture is handed them: :func:`exactdit.patches.engine.repeated_blocks`);
@@ -42,18 +43,18 @@ def hook_chain(module) -> tuple:
 
 #: diffusers hooks that only move or cast a layer's weights, or note the order layers run in (by
 #: registry name: class name): exactdit runs them for all of a block's layers around its call
-WEIGHT_HOOKS = {"layerwise_casting": "LayerwiseCastingHook", "group_offloading": "GroupOffloadingHook",
+HOISTABLE_HOOKS = {"layerwise_casting": "LayerwiseCastingHook", "group_offloading": "GroupOffloadingHook",
                 "layer_execution_tracker": "LayerExecutionTrackerHook"}
 
 
-def weight_hook_chain(module) -> tuple:
+def hoistable_hook_chain(module) -> tuple:
     """The module's hook chain (innermost first) when every hook on it is one of
-    :data:`WEIGHT_HOOKS` and the innermost calls the module's own class forward; else empty."""
+    :data:`HOISTABLE_HOOKS` and the innermost calls the module's own class forward; else empty."""
     d = module.__dict__
     registry, chain = hook_registry(d), hook_chain(module)
     if "forward" not in d or not chain or len(chain) != len(registry.hooks):
         return ()
-    if any(type(hook).__name__ != WEIGHT_HOOKS.get(name) for name, hook in registry.hooks.items()):
+    if any(type(hook).__name__ != HOISTABLE_HOOKS.get(name) for name, hook in registry.hooks.items()):
         return ()
     inner = chain[0].forward
     if getattr(inner, "__self__", None) is not module or getattr(inner, "__func__", None) is not type(module).forward:
@@ -78,6 +79,32 @@ def prefetches_in_flight(hooks: list) -> list:
     groups = {id(h.group) for h in hooks}
     return [h.next_group.stream for h in hooks[-1:]
             if h.next_group is not None and id(h.next_group) in groups and h.next_group.stream is not None]
+
+
+def holds_gguf_weight(module) -> bool:
+    """Whether ``module`` is diffusers' ``GGUFLinear`` holding a GGUF-quantized weight."""
+    return type(module).__name__ == "GGUFLinear" and hasattr(module._parameters.get("weight"), "quant_type")
+
+
+def dequantized_gguf_layers(found: list) -> list:
+    """Of ``found`` (diffusers' ``GGUFLinear`` layers), those that dequantize their weight in their
+    forward (``forward_native``: no GGUF CUDA kernels loaded): exactdit dequantizes those weights
+    before the block's call, as each forward would (``dequantize_gguf_tensor``, then the compute
+    dtype), and gives them back after. Dynamo does not follow ``GGUFParameter``'s unwrapping
+    (``as_tensor``): traced, the subclass spreads to the activations and the block fails."""
+    if found:
+        import diffusers.quantizers.gguf.utils as gguf_utils
+
+        if getattr(gguf_utils, "ops", None) is not None:  # forward_cuda reads the quantized weight: left as is
+            return []
+    return found
+
+
+def dequantizes_gguf(block) -> bool:
+    """Whether ``block`` has GGUF layers whose weights exactdit dequantizes around its call
+    (:func:`dequantized_gguf_layers`). Decided by the layer class: inside the call the weights are
+    already the dequantized copies."""
+    return bool(dequantized_gguf_layers([m for m in block.modules() if type(m).__name__ == "GGUFLinear"]))
 
 
 def default_attention_backend():

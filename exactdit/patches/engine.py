@@ -393,8 +393,9 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
 
 def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
     """((layer, hook chain) of the layers below ``module`` whose diffusers hooks only move or cast
-    their weights (:func:`diffusers_internals.weight_hook_chain`), in the order of the module tree;
-    the layers that hold GGUF weights, :func:`_gguf_layers`). One walk of the tree by its
+    their weights (:func:`diffusers_internals.hoistable_hook_chain`), in the order of the module
+    tree; the GGUF layers dequantized there, :func:`diffusers_internals.dequantized_gguf_layers`).
+    One walk of the tree by its
     ``_modules`` (``modules()`` costs ten times more; this runs on every call of every block)."""
     hooked, gguf = [], []
     stack = list(reversed(module._modules.values()))
@@ -402,12 +403,12 @@ def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
         m = stack.pop()
         stack.extend(reversed(m._modules.values()))
         if diffusers_internals.hook_registry(m.__dict__) is not None:
-            chain = diffusers_internals.weight_hook_chain(m)
+            chain = diffusers_internals.hoistable_hook_chain(m)
             if chain:
                 hooked.append((m, chain))
-        elif type(m).__name__ == "GGUFLinear" and hasattr(m.__dict__["_parameters"].get("weight"), "quant_type"):
+        elif diffusers_internals.holds_gguf_weight(m):
             gguf.append(m)
-    return hooked, _gguf_layers(gguf)
+    return hooked, diffusers_internals.dequantized_gguf_layers(gguf)
 
 
 class _hoisted_layer_hooks:
@@ -424,7 +425,8 @@ class _hoisted_layer_hooks:
       first forward, which is this order) and stream waits, one block's layers at a time; a
       prefetch that could still be copying one of the block's own layers is waited for
       (:func:`diffusers_internals.prefetches_in_flight`);
-    * GGUF weights are dequantized as each layer's forward would (:func:`_gguf_layers`).
+    * GGUF weights are dequantized as each layer's forward would
+      (:func:`diffusers_internals.dequantized_gguf_layers`).
 
     Costs one block's weights on the device (or in the compute dtype) while the block runs,
     instead of one layer's."""
@@ -470,27 +472,6 @@ class _hoisted_layer_hooks:
         for layer, weight in zip(self.gguf, self.weights):
             layer._parameters["weight"] = weight
         return False
-
-
-def dequantizes_gguf(block: torch.nn.Module) -> bool:
-    """Whether ``block`` has diffusers ``GGUFLinear`` layers whose weights are dequantized around
-    its call (:func:`_gguf_layers`; decided by the layer class, as inside the call the weights
-    are the dequantized copies)."""
-    return bool(_gguf_layers([m for m in block.modules() if type(m).__name__ == "GGUFLinear"]))
-
-
-def _gguf_layers(found: list) -> list:
-    """Of ``found``, diffusers' ``GGUFLinear`` layers with a GGUF-quantized weight, those that
-    dequantize it in their forward (``forward_native``: no GGUF CUDA kernels loaded). Their weights
-    are dequantized before the block's call, as each forward would (``dequantize_gguf_tensor``, then
-    the compute dtype), and given back after: Dynamo does not follow ``GGUFParameter``'s unwrapping
-    (``as_tensor``), so traced, the subclass spreads to the activations and the block fails."""
-    if found:
-        import diffusers.quantizers.gguf.utils as gguf_utils
-
-        if getattr(gguf_utils, "ops", None) is not None:  # forward_cuda reads the quantized weight: left as is
-            return []
-    return found
 
 
 def _remove_inner_calls(module: torch.nn.Module) -> None:

@@ -179,9 +179,7 @@ GGUF_WEIGHTS = ("its layers' GGUF weights are dequantized around its call (a gra
 
 
 def _block_hooks(block: torch.nn.Module, inner: bool) -> str | None:
-    from exactdit.patches import engine
-
-    if engine.dequantizes_gguf(block):
+    if diffusers_internals.dequantizes_gguf(block):
         return GGUF_WEIGHTS
     for m in block.modules():
         d = m.__dict__

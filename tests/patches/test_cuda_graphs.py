@@ -659,16 +659,15 @@ def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(
     block graph would read the copies of its recording, so where the forward runs as block runs
     (Qwen-Image's host work) those blocks run unrecorded, with the reason, and equal."""
     import gguf
-    from diffusers import GGUFQuantizationConfig
 
+    from exactdit.patches import diffusers_internals
     from exactdit.patches.graph_watch import GGUF_WEIGHTS
-    from tests.ecosystem import write_gguf
+    from tests.ecosystem import load_gguf, write_gguf
 
     kind = stand_in(forward=HOST_COPY)
     tr = models.build_transformer("qwen", "tiny", dtype=torch.bfloat16, seed=1)
     path = write_gguf(tr, str(tmp_path), gguf.GGMLQuantizationType.Q8_0, arch="qwen")
-    tr = type(tr).from_single_file(path, config=str(tmp_path), torch_dtype=torch.bfloat16, local_files_only=True,
-                                   quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+    tr = load_gguf(type(tr), path, str(tmp_path))
     kw = models.forward_inputs("qwen", tr, batch=2, text_len=[7, 4], seed=2, height=32, width=32)
     ref = models.run_forward(tr, kw)
     try:
@@ -679,7 +678,7 @@ def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(
         exactdit.unpatch(tr)
     for out in outs:
         assert_bits_equal(out, ref)
-    quantized = [m for _, m in engine.targets(tr) if engine.dequantizes_gguf(m)]
+    quantized = [m for _, m in engine.targets(tr) if diffusers_internals.dequantizes_gguf(m)]
     plain = len(engine.targets(tr)) - len(quantized)  # (the final norm's linear is not quantized here)
     assert quantized and kind.captures == ["block"] * plain
     blocks = _blocks(type(tr).__name__)

@@ -18,9 +18,9 @@ import exactdit
 from exactdit.engine import coverage
 from exactdit.harness import models
 from exactdit.patches import engine
-from tests.ecosystem import in_blocks, lora_state_dict, to_nf4, write_gguf
+from tests.ecosystem import in_blocks, load_gguf, lora_state_dict, to_nf4, write_gguf
 from tests.engine_helpers import engine_eager_reasons
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, run_benchmark
 
 MODELS = ("flux", "wan")
 #: the attention and MLP projections a LoRA of Flux or Wan targets
@@ -206,14 +206,11 @@ def test_torchao_weight_only(name, config):
 
 def _gguf_transformer(name: str, tr):
     """``tr``'s weights written to a GGUF file (the blocks' linear weights Q8_0, the rest F32) and
-    loaded back through diffusers' GGUF path (``from_single_file`` + ``GGUFQuantizationConfig``)."""
+    loaded back through diffusers' GGUF path."""
     import gguf
-    from diffusers import GGUFQuantizationConfig
 
     folder = tempfile.mkdtemp(prefix="exactdit-gguf-")
-    path = write_gguf(tr, folder, gguf.GGMLQuantizationType.Q8_0, arch=name)
-    return type(tr).from_single_file(path, config=folder, torch_dtype=torch.bfloat16, local_files_only=True,
-                                     quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+    return load_gguf(type(tr), write_gguf(tr, folder, gguf.GGMLQuantizationType.Q8_0, arch=name), folder)
 
 
 @needs_gguf
@@ -269,20 +266,10 @@ def test_the_ecosystem_benchmark_runs_on_the_cpu(tmp_path):
     """benchmarks/models/bench_ecosystem.py, which the device runs (rows of the matrix, CUDA graphs
     with --graphs), on the tiny Flux in the interpreter: every row ran and is equal, so a device
     session is not spent on the script's own errors."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     configs = ["plain", "lora-2", "lora-hotswap", "fp8-cast", "group-offload-leaf"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "models", "bench_ecosystem.py"), "--device", "cpu",
-         "--config", "tiny", "--height", "32", "--width", "32", "--repeat", "1", "--no-compile", "--graphs",
-         "--configs", *configs],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ, OUT=str(tmp_path)), cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = run_benchmark("models/bench_ecosystem.py", "--device", "cpu", "--config", "tiny", "--height", "32",
+                         "--width", "32", "--repeat", "1", "--no-compile", "--graphs", "--configs", *configs,
+                         out_dir=tmp_path)
     assert {r["config"] for r in rows} == set(configs)
     assert all(r["status"] == "ok" and r["equal"] for r in rows), [r for r in rows if not r["equal"]]
     assert {r["path"] for r in rows} == {"eager", "exactdit", "exactdit + CUDA graphs"}

@@ -62,7 +62,7 @@ class _ModelWatch:
         self.lora = [m.__dict__ for m in peft if _is_lora_layer(m)]
         self.other_adapters = sorted({type(m).__name__ for m in peft if not _is_lora_layer(m)})
         self.module_ids = {id(m) for m in modules}
-        self.gguf = any(type(m).__name__ == "GGUFLinear" for m in modules)  # see block_reason
+        self.gguf = diffusers_internals.dequantizes_gguf(self.module)  # see block_reason
         self.generation = _registrations
 
     def state(self) -> tuple[tuple, str | None, str | None]:

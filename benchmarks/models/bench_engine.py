@@ -47,8 +47,8 @@ def compile_regions(tr) -> None:
 
 def breakdown(forward) -> dict:
     """Kernel time of one forward by kind (GEMM, attention, the engine's regions, other ATen),
-    idle gaps between kernels, and the median SM clock and board power while forwards run back to
-    back: where the floor of the forward lies."""
+    idle gaps between kernels, and the median SM clock, board power and energy per forward while
+    forwards run back to back: where the floor of the forward lies."""
     from benchmarks.models.profiling import clocks_while, profile_once
 
     with torch.no_grad():
@@ -59,7 +59,8 @@ def breakdown(forward) -> dict:
     by_kind["other"] = by_kind.get("other", 0.0) - regions
     by_kind["exactdit regions"] = regions
     out = {"kernel_ms": prof["kernel_ms"], "idle_ms": prof["idle_ms"], "span_ms": prof["span_ms"],
-           "kernel_ms_by_kind": by_kind, "sm_mhz": clocks["sm_mhz"], "power_w": clocks["power_w"]}
+           "kernel_ms_by_kind": by_kind, "sm_mhz": clocks["sm_mhz"], "power_w": clocks["power_w"],
+           "energy_j": clocks["energy_j"]}
     print("breakdown", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()
                         if k != "kernel_ms_by_kind"}, {k: round(v, 2) for k, v in by_kind.items()}, flush=True)
     print("idle before (ms, next kernel)", [(round(v, 3), k) for v, k in prof["idle_before_kernel_ms"][:8]], flush=True)
@@ -122,8 +123,7 @@ def main() -> None:
     lines = [line for g in coverage.graphs() for line in g.lines()]
     choices = gemm_choices()
     for c in choices:
-        print(f"gemm {c['region']} {c['m']}x{c['k']}x{c['n']} {c['ops']}: {c['way']} "
-              f"(fused {c['fused_us']} us, cuBLAS + epilogue {c['split_us']} us)")
+        print(f"gemm {c['region']} {c['m']}x{c['k']}x{c['n']} {c['ops']}: {c['way']} (us per way: {c['us']})")
     row["gemm_choices"] = choices
     report = exactdit.report(show=False)
     disabled = {k: v["disabled"] for k, v in report.items() if v["disabled"]}

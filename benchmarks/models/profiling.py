@@ -65,23 +65,48 @@ def profile_once(fn) -> dict:
 
 
 
-def clocks_while(fn, seconds: float = 4.0) -> dict:
+def _energy_mj():
+    """The board's energy counter (mJ since the driver loaded; NVML), or None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(index))
+    except Exception:  # noqa: BLE001 - no NVML (nvidia-ml-py) or a device without the counter
+        return None
+
+
+def clocks_while(fn, seconds: float = 4.0, synchronize_each: bool = True) -> dict:
     """Median SM clock (MHz) and board power (W) sampled by nvidia-smi every 100 ms while ``fn``
-    runs back to back for ``seconds`` (None where nvidia-smi is missing)."""
+    runs back to back for ``seconds`` (None where nvidia-smi is missing), and the energy of one
+    call: the board's energy counter over the calls after the first quarter, divided by their
+    number (J; None without NVML). At the power cap, energy per call is what fusion must lower.
+    ``synchronize_each=False`` queues calls without waiting between them (short kernels: no idle gaps)."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
-        return {"sm_mhz": None, "power_w": None}
+        return {"sm_mhz": None, "power_w": None, "energy_j": None}
+    energy = _energy_mj()
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                             "-lms", "100"], stdout=subprocess.PIPE, text=True)
     t = time.time()
+    calls, mark = 0, None
     while time.time() - t < seconds:
+        if mark is None and time.time() - t >= seconds / 4:  # after the ramp-up, as the samples
+            torch.cuda.synchronize()
+            mark, calls = (energy() if energy else None), 0
         fn()
-        torch.cuda.synchronize()
+        calls += 1
+        if synchronize_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    energy_j = (energy() - mark) / 1e3 / calls if energy and mark is not None and calls else None
     smi.terminate()
     samples = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
     clocks = [float(a) for a, _ in samples[len(samples) // 4:]]  # skip the ramp-up
     power = [float(b) for _, b in samples[len(samples) // 4:]]
     return {"sm_mhz": statistics.median(clocks) if clocks else None,
-            "power_w": statistics.median(power) if power else None, "samples": len(samples)}
+            "power_w": statistics.median(power) if power else None, "samples": len(samples),
+            "energy_j": energy_j}

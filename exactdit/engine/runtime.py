@@ -8,6 +8,7 @@ returns the ATen result, and verified signatures launch the kernels only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -61,10 +62,12 @@ class RegionOp:
         self._complex_inputs = complex_inputs if any(complex_inputs) else None
         #: output (shape, strides, dtype) per input layout: eager's own (see :meth:`_out_layout`)
         self._out_layouts: dict = {}
-        #: a GEMM region's way without its kernel (cuBLAS, then the epilogue), and per signature
-        #: which way was faster: (way, fused us, split us)
+        #: a GEMM region's way without its kernel (cuBLAS, then the epilogue), its kernel in the
+        #: other candidate tile configurations, and per signature the way that was fastest and
+        #: each way's median us
         self._alternative = RegionOp(region.alternative) if region.alternative is not None else None
-        self.choices: dict[tuple, tuple[str, float, float]] = {}
+        self._tile_variants: list | None = None
+        self.choices: dict[tuple, tuple[str, dict[str, float]]] = {}
         if region.kind == "gemm":
             _GEMM_OPS.add(self)
         self.op = gate.FusedOp(
@@ -128,13 +131,34 @@ class RegionOp:
             return self._specialized(*inputs)
 
     def _specialized(self, *inputs):
-        fast = self._launch_plan(*inputs)
         if self.region.kind != "gemm" or gate.cannot_sync():
-            return fast
-        fused = fast or self._fused
-        way, t_fused, t_split = gemm.choose(fused, self._split, inputs)
-        self.choices[gate.arg_key(inputs)] = (way, t_fused, t_split)
-        return fused if way == "fused" else self._split
+            return self._launch_plan(*inputs)
+        ways = self.gemm_ways(*inputs)
+        way, times = gemm.choose(ways, inputs)
+        self.choices[gate.arg_key(inputs)] = (way, times)
+        return ways[way]
+
+    def gemm_ways(self, *inputs) -> dict:
+        """A GEMM region's ways for inputs of this layout, which give the same bits: its kernel
+        in each candidate tile configuration (``"fused <tiles>"``, through a launch plan where
+        there is one; the region's own first) and ``"split"``, cuBLAS followed by the epilogue."""
+        if self._tile_variants is None:
+            self._tile_variants = []
+            for cfg, kernel in gemm.other_tiles(self.region):
+                variant = copy.copy(self.region)
+                variant.kernels, variant.alternative = [kernel], None
+                op = RegionOp(variant)
+                op._out_layouts = self._out_layouts  # (the same nodes: the same output layouts)
+                _GEMM_OPS.discard(op)
+                self._tile_variants.append((cfg, op))
+        ways = {f"fused {gemm.first_tiles(self.region).label}": self._launch_plan(*inputs) or self._fused}
+        for cfg, op in self._tile_variants:
+            try:
+                ways[f"fused {cfg.label}"] = op._launch_plan(*inputs) or op._fused
+            except Exception:  # noqa: BLE001 - a configuration that does not compile here is not timed
+                continue
+        ways["split"] = self._split
+        return ways
 
     def _compiling(self) -> bool:
         return any(compile_workers.compiling(fn) for fn, _ in self.kernels())
@@ -316,15 +340,16 @@ _INT = 3
 
 
 def gemm_choices() -> list[dict]:
-    """Per fused-GEMM region and signature: the GEMM's shape, its epilogue, which way ran
-    (the fused kernel, or cuBLAS then the epilogue) and the times that decided it."""
+    """Per fused-GEMM region and signature: the GEMM's shape, its epilogue, which way ran (the
+    fused kernel in one tile configuration, or ``split``: cuBLAS then the epilogue) and each way's
+    median us (none where the way was not timed)."""
     rows = []
     for op in list(_GEMM_OPS):
         a, b, _ = gemm.operands(op.region.anchor)
         (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
-        for way, t_fused, t_split in op.choices.values():
+        for way, times in op.choices.values():
             rows.append({"region": op.region.name, "ops": op.region.describe(), "m": m, "k": k, "n": n,
-                         "way": way, "fused_us": round(t_fused, 1), "split_us": round(t_split, 1)})
+                         "way": way, "us": {w: round(t, 1) for w, t in times.items()}})
     return sorted(rows, key=lambda r: r["region"])
 
 

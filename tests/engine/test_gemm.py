@@ -100,6 +100,20 @@ def test_gemm_with_its_epilogue_equals_eager(m, k, n, bias, layout):
     assert_bits_equal(_split(gm, regions[0])[0], ref[0])
 
 
+def test_every_way_the_runtime_times_gives_eagers_bits():
+    """What the runtime times for a signature on a GPU: the kernel in each candidate tile
+    configuration and cuBLAS followed by the epilogue (the one chosen is what the gate verifies)."""
+    gm, inputs = _gated_linear(130, 64, 200)  # 200 columns: the wide candidates, partial tiles both ways
+    ref, _, _ = _run(gm, inputs)
+    (op,) = _regions(gm)
+    args = [gm.meta["values"][n.name] for n in op.region.inputs]
+    with trusted(), torch.no_grad():
+        ways = op.gemm_ways(*args)
+        assert list(ways) == [f"fused {t.label}" for t in gemm.WIDE_TILES] + ["split"]
+        for name, fn in ways.items():
+            assert_bits_equal(fn(*args)[0], ref[0], name)
+
+
 def test_accumulator_rounds_once_before_the_epilogue():
     """Sums of up to 64 products of integers up to 8: up to 4096, not all bf16 numbers; eager
     rounds the GEMM's output to bf16 before ``gelu``-free epilogue ops read it."""
@@ -172,10 +186,13 @@ def test_layout_problem_names_inputs_of_another_layout():
 
 
 def test_choice_is_forced_by_the_environment(monkeypatch):
+    ways = {"fused a": lambda *a: None, "fused b": lambda *a: None, "split": lambda *a: None}
     monkeypatch.setenv(gemm.CHOICE_ENV, "split")
-    assert gemm.choose(lambda: None, lambda: None, (torch.zeros(1),))[0] == "split"
+    assert gemm.choose(ways, (torch.zeros(1),))[0] == "split"
+    monkeypatch.setenv(gemm.CHOICE_ENV, "fused")
+    assert gemm.choose(ways, (torch.zeros(1),))[0] == "fused a"
     monkeypatch.setenv(gemm.CHOICE_ENV, "auto")
-    assert gemm.choose(lambda *a: None, lambda *a: None, (torch.zeros(1),))[0] == "fused"  # no timing on CPU
+    assert gemm.choose(ways, (torch.zeros(1),)) == ("fused a", {})  # no timing on the CPU
 
 
 def test_fused_gemms_are_off_by_default(monkeypatch):

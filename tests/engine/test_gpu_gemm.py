@@ -77,7 +77,30 @@ def test_the_timed_choice_is_recorded_and_exact(monkeypatch):
         assert torch.equal(out[0], ref[0])
     ops = [n.target.exactdit_region for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")]
     choices = [c for op in ops for c in op.choices.values()]
-    assert choices and all(way in ("fused", "split") and t > 0 and s > 0 for way, t, s in choices)
+    candidates = {f"fused {cfg.label}" for cfg in gemm.tile_candidates(4096, 3072, 3072)}
+    assert choices and all(way in times and set(times) == candidates | {"split"} and all(t > 0 for t in times.values())
+                           for way, times in choices)
+
+
+def test_a_way_that_raises_is_not_chosen(monkeypatch):
+    monkeypatch.setenv(gemm.CHOICE_ENV, "auto")
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def broken(*_):
+        raise RuntimeError("out of shared memory")
+
+    way, times = gemm.choose({"fused broken": broken, "fused slow": lambda t: t @ t @ t, "split": lambda t: t @ t}, (x,))
+    assert way == "split" and set(times) == {"fused slow", "split"}
+
+
+@pytest.mark.parametrize("tiles", gemm.WIDE_TILES + gemm.NARROW_TILES, ids=lambda t: t.label)
+def test_every_candidate_tile_configuration_equals_eager(tiles, monkeypatch):
+    """Each configuration the runtime may time and choose, forced, at an odd shape (partial tiles
+    on both sides) with a gated epilogue."""
+    monkeypatch.setenv(gemm.CHOICE_ENV, "fused")
+    monkeypatch.setenv(gemm.TILES_ENV, f"{tiles.bm},{tiles.bn},{tiles.bk},{tiles.warps},{tiles.stages}")
+    gm, inputs = _linear_then(4160, 3072, 3000, torch.bfloat16, bias=True, epilogue=_gated)
+    rewrite_and_check_against_eager(gm, inputs, f"gemm-tiles-{tiles.label}")
 
 
 @pytest.mark.parametrize("name,size", [("flux", 512), ("qwen", 512), ("wan", 256)])

@@ -17,9 +17,10 @@ grid; outputs are stored through their strides. fp32 GEMMs are left to cuBLAS (i
 decide their bits), and so are GEMMs of fewer than :data:`MIN_ROWS` rows (cuBLAS picks other
 reductions there, and a tile kernel does not pay).
 
-Whether the fused kernel is used is decided per signature by time: the region keeps the
-alternative of cuBLAS followed by a pointwise kernel for the epilogue (:attr:`Region.alternative`),
-and the first verified call times both (:mod:`exactdit.engine.runtime`). The whole path is off
+Which way runs is decided per signature by time: the kernel in each candidate tile configuration
+(:func:`tile_candidates`; no tile changes a bit) and the alternative of cuBLAS followed by a
+pointwise kernel for the epilogue (:attr:`Region.alternative`) are timed by the first call of a
+signature, and the fastest is the one the gate verifies (:mod:`exactdit.engine.runtime`). The whole path is off
 unless ``EXACTDIT_GEMM`` turns it on (:data:`CHOICE_ENV`): see BENCHMARKS.md for where it stands.
 """
 
@@ -34,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import FULL, Code, Emitter, Tile, Unfusable, Val, dtype_of, shape_of
-from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code, row_int
+from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code, row_int, row_ints
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.rules import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.templates.base import GeneratedKernel, _kernel, _store_outputs, _table_preamble, output_operands
@@ -125,20 +126,27 @@ class Tiles:
     stages: int
     group_m: int = 8
 
+    @property
+    def label(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}w/{self.stages}s"
 
-#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES`` replaces :func:`tiles_for` (tile sweeps)
+
+#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES`` replaces :func:`tile_candidates` (tile sweeps)
 TILES_ENV = "EXACTDIT_GEMM_TILES"
+#: Where ``bench_gemm.py`` (H200) found each the fastest or within 2%: 128 x 256 with 4 stages on
+#: most Flux / Wan shapes, 3 stages on some, 256 x 128 and 128 x 128 where 128 x 256 leaves the last
+#: wave of tiles mostly empty (4608 x 3072: 432 tiles on 132 SMs, 3.27 waves).
+WIDE_TILES = (Tiles(128, 256, 64, 8, 4), Tiles(128, 256, 64, 8, 3), Tiles(256, 128, 64, 8, 3), Tiles(128, 128, 64, 8, 4))
+NARROW_TILES = (Tiles(128, 128, 64, 4, 4),)
 
 
-def tiles_for(m: int, n: int, k: int) -> Tiles:
-    """Tiles from the H200 sweep (probe_gemm_tma.py --sweep): 128 x 256 x 64 with 8 warps and 3
-    stages was the fastest or within 2% of it on Flux, SD3.5, Z-Image and Wan shapes."""
+def tile_candidates(m: int, n: int, k: int) -> tuple[Tiles, ...]:
+    """The tile configurations a signature's fused kernel is timed in (the first is the one a
+    signature runs when it is not timed: the interpreter, ``EXACTDIT_GEMM=fused``)."""
     forced = os.environ.get(TILES_ENV)
     if forced:
-        return Tiles(*(int(v) for v in forced.split(",")))
-    if n <= 128:
-        return Tiles(128, 128, 64, 4, 4)
-    return Tiles(128, 256, 64, 8, 3)
+        return (Tiles(*(int(v) for v in forced.split(","))),)
+    return NARROW_TILES if n <= 128 else WIDE_TILES
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,9 +161,10 @@ def programs_for(device: torch.device, tiles: int) -> int:
     return max(1, min(sms, tiles))
 
 
-def gemm(region: Region, launch: Launch) -> GeneratedKernel:
-    """The kernel of a GEMM region: persistent tiles of the output, each computing its
-    accumulator and then the epilogue's outputs at the tile's elements."""
+def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> GeneratedKernel:
+    """The kernel of a GEMM region in ``tiles`` (the first candidate by default): persistent
+    tiles of the output, each computing its accumulator and then the epilogue's outputs at the
+    tile's elements."""
     mm = region.anchor
     a_node, b_node, bias_node = operands(mm)
     a, b = _val(a_node), _val(b_node)
@@ -163,7 +172,7 @@ def gemm(region: Region, launch: Launch) -> GeneratedKernel:
     if tuple(launch.shape) != (m, n) or launch.pieces:
         raise Unfusable("a GEMM region is one launch over the GEMM's output", mm)
     layout = b_layout(b)
-    cfg = tiles_for(m, n, k)
+    cfg = tiles or tile_candidates(m, n, k)[0]
     loads: dict = {}
     outs = output_operands(region)
     code = Code()
@@ -264,31 +273,62 @@ for _target in GEMM_TARGETS:  # the GEMM's value inside its own region: the roun
 
 # --- run time: fused kernel or cuBLAS + epilogue, by time ------------------------------------------
 
+def first_tiles(region: Region) -> Tiles:
+    """The tile configuration the region's own kernel is built in."""
+    a, b, _ = operands(region.anchor)
+    (m, k), n = _val(a).shape, _val(b).shape[1]
+    return tile_candidates(m, n, k)[0]
+
+
+def other_tiles(region: Region) -> list[tuple[Tiles, GeneratedKernel]]:
+    """The region's kernel in each other candidate tile configuration (same epilogue, same K order)."""
+    a, b, _ = operands(region.anchor)
+    (m, k), n = _val(a).shape, _val(b).shape[1]
+    kernels = []
+    for cfg in tile_candidates(m, n, k)[1:]:
+        with row_ints():
+            try:
+                kernels.append((cfg, gemm(region, region.launches[0], cfg)))
+            except Unfusable:
+                continue
+    return kernels
+
+
 #: timed calls of each way (after two warm-ups), alternating: the clock under the power cap drifts
 TIMED_CALLS = 5
 
 
-def choose(fused, split, inputs) -> tuple[str, float, float]:
-    """("fused" or "split", median us of each) for one signature, timed on these inputs. Both
-    give the same bits (each verified against the region's ATen nodes), so only time decides."""
+def choose(ways: dict, inputs) -> tuple[str, dict[str, float]]:
+    """The fastest of a signature's ways (name -> callable: the fused kernel in each tile
+    configuration, ``"split"``: cuBLAS then the epilogue) on these inputs, and each way's median
+    us. All give the same bits (the gate verifies the one chosen against the region's ATen
+    nodes), so only time decides. A way that raises is left out; ``EXACTDIT_GEMM=fused`` /
+    ``split`` fixes the way (the first fused one, or cuBLAS)."""
+    fused = next(name for name in ways if name != "split")
     forced = os.environ.get(CHOICE_ENV, "")
     if forced in ("fused", "split"):
-        return forced, float("nan"), float("nan")
+        return (fused if forced == "fused" else "split"), {}
     device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
     if device.type != "cuda":
-        return "fused", float("nan"), float("nan")
-    times = {"fused": [], "split": []}
-    ways = {"fused": fused, "split": split}
-    for _ in range(2):
-        fused(*inputs)
-        split(*inputs)
+        return fused, {}
+    working = {}
+    for name, fn in ways.items():
+        try:
+            fn(*inputs)
+            fn(*inputs)
+        except Exception:  # noqa: BLE001 - a tile configuration that does not build or launch here
+            if name == "split":
+                raise
+            continue
+        working[name] = fn
+    times: dict[str, list[float]] = {name: [] for name in working}
     for _ in range(TIMED_CALLS):
-        for name, fn in ways.items():
+        for name, fn in working.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*inputs)
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) * 1000)
-    t_fused, t_split = statistics.median(times["fused"]), statistics.median(times["split"])
-    return ("fused" if t_fused <= t_split else "split"), t_fused, t_split
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return min(medians, key=medians.get), medians

@@ -42,8 +42,10 @@
 #                    the GPU rules test, the minis with that layout, HunyuanVideo 480x848x33 with --breakdown and compile,
 #                    and the sweep of the two launch knobs on its double block
 # Fused GEMMs (EXACTDIT_GEMM; off by default):
-#   gemm             pytest -m gpu tests/engine/test_gpu_gemm.py; bench_gemm.py (fused region vs cuBLAS + epilogue per tile
-#                    configuration); Flux.1-dev 1024^2 with every GEMM fused and with none, kernel-time breakdown, clock, power
+#   gemm             pytest -m gpu tests/engine/test_gpu_gemm.py; bench_gemm.py --energy (fused region in each candidate
+#                    tile configuration vs cuBLAS + epilogue; each way back to back: us, clock, power, mJ per call)
+#   gemm-flux        Flux.1-dev 1024^2 with EXACTDIT_GEMM=auto (each signature's ways timed; the choices printed) and with
+#                    every GEMM left to cuBLAS, kernel-time breakdown, clock, power, energy per forward
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -195,8 +197,9 @@ for stage in "$@"; do
     gemm)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_gemm.py -rf 2>&1 | \
         tee "$OUT/gpu_gemm_tests.log" | tail -6
-      timeout 240 python3 benchmarks/kernels/bench_gemm.py 2>&1 | grep -v Warn | tee "$OUT/bench_gemm.log" | tail -30
-      timeout 300 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \
-        --gemm fused --gemm-off-too --breakdown 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_gemm.log" ;;
+      timeout 360 python3 benchmarks/kernels/bench_gemm.py --energy 2>&1 | grep -v Warn | tee "$OUT/bench_gemm.log" | tail -40 ;;
+    gemm-flux)
+      timeout 540 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \
+        --gemm auto --gemm-off-too --breakdown 2>&1 | grep -E "^\||^gemm |breakdown|DISABLED|EAGER" | tee "$OUT/flux_gemm.log" ;;
   esac
 done

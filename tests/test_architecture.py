@@ -1,5 +1,5 @@
 """The package's shape: imports go one way, down the layers below, with no circle; no module over
-600 lines. The layer order is defined here and nowhere else (docs/architecture.md explains it).
+600 lines; the whole package at most 10,000 lines of code. The layer order is defined here and nowhere else (docs/architecture.md explains it).
 
 Every import counts, function-level ones too: a circle closed inside a function is still one.
 """
@@ -21,6 +21,8 @@ LAYERS = (
     ("top", ("exactdit.report", "exactdit.harness", "exactdit.cli", "exactdit.__main__", "exactdit")),
 )
 MAX_LINES = 600
+#: lines of code in the whole package: not blank, not a comment, not a docstring (cloc's count)
+MAX_CODE_LINES = 10_000
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -142,6 +144,25 @@ def test_no_private_name_imported_from_another_layer():
 def test_no_module_over_the_line_limit(module):
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[module]}: {lines} lines (at most {MAX_LINES})"
+
+
+def code_lines(source: str) -> int:
+    """Lines that are not blank, not a comment and not part of a docstring."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and i not in docstrings)
+
+
+def test_the_package_is_at_most_ten_thousand_lines_of_code():
+    assert code_lines('"""doc\nstring"""\n\n# why\nx = 1  # one\n') == 1
+    total = sum(code_lines(path.read_text()) for path in MODULES.values())
+    assert total <= MAX_CODE_LINES, f"{total} lines of code in exactdit/ (at most {MAX_CODE_LINES})"
 
 
 def test_the_checks_see_a_circle_and_an_upward_import():

@@ -225,7 +225,7 @@ class GraphedCall:
         module = self.module
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state, never, not_whole = self.watch.state()
-        never = KIND.unsupported(leaves) or never
+        never = KIND.unsupported(leaves) or _records_grad(leaves) or never
         if never is not None:
             self._describe(NOTHING, never)
             gate.count_eager(self.name, never)
@@ -415,7 +415,8 @@ class _BlockRunner:
         inner = compiled is not call.compiled  # beneath the block's diffusers hooks
         leaves = []
         spec = (_walk(args, leaves), _walk(kwargs, leaves))
-        why = _engine_status(call) or owner.watch.block_reason(call.module, inner) or KIND.unsupported(leaves)
+        why = _engine_status(call) or owner.watch.block_reason(call.module, inner) or KIND.unsupported(leaves) \
+            or _records_grad(leaves)
         if why is None:
             if not all(isinstance(x, _KEY_LEAVES) for x in leaves):  # (an object's state would be frozen)
                 why = "an argument that is neither a tensor nor a plain value"
@@ -530,16 +531,45 @@ def _written(t: torch.Tensor) -> torch.Tensor:
 def _modes() -> tuple:
     """The process-wide settings a recording freezes: grad and inference mode, the default dtype
     (tensors a forward creates), autocast, and the switches that pick the library kernels eager
-    would run (TF32 and reduced-precision reductions of cuBLAS, cuDNN's, SDPA's backends,
-    deterministic algorithms, the BLAS library): a call under other settings is another signature."""
+    would run (TF32 through either of PyTorch's two APIs, reduced-precision reductions of cuBLAS
+    and of SDPA's math kernel, cuDNN's, SDPA's backends and their priority, deterministic
+    algorithms, the BLAS library): a call under other settings is another signature."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-            cuda.matmul.allow_tf32, cuda.matmul.allow_bf16_reduced_precision_reduction,
+            *map(_setting, _SETTINGS), cuda.matmul.allow_bf16_reduced_precision_reduction,
             cuda.matmul.allow_fp16_reduced_precision_reduction, getattr(cuda.matmul, "allow_fp16_accumulation", None),
-            torch.get_float32_matmul_precision(), cudnn.enabled, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+            cudnn.enabled, cudnn.benchmark, cudnn.deterministic,
             cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-            cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled(), cuda.preferred_blas_library())
+            cuda.cudnn_sdp_enabled(), _setting(cuda.fp16_bf16_reduction_math_sdp_allowed),
+            _setting(lambda: tuple(torch._C._get_sdp_priority_order())),
+            torch.are_deterministic_algorithms_enabled(), cuda.preferred_blas_library())
+
+
+#: TF32 settings: the legacy flags and PyTorch's ``fp32_precision`` ones (once a process sets the
+#: new ones, reading a legacy flag raises; a version without them reads None)
+_SETTINGS = (
+    lambda: torch.backends.cuda.matmul.allow_tf32, lambda: torch.backends.cudnn.allow_tf32,
+    torch.get_float32_matmul_precision, lambda: torch.backends.fp32_precision,
+    lambda: torch.backends.cuda.matmul.fp32_precision, lambda: torch.backends.cudnn.fp32_precision,
+    lambda: torch.backends.cudnn.conv.fp32_precision, lambda: torch.backends.cudnn.rnn.fp32_precision,
+)
+
+
+def _setting(read):
+    """``read()``, or what stands in for a setting this PyTorch lacks or will not read back."""
+    try:
+        return read()
+    except (AttributeError, RuntimeError) as e:
+        return type(e).__name__
+
+
+def _records_grad(leaves: list) -> str | None:
+    """Why not, when autograd records the call: an argument that requires grad (gradient guidance
+    on the latents) would get a replay's detached copies, or a graph's freed autograd state."""
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return "autograd is recording (an argument requires grad)"
+    return None
 
 
 def _unsupported_arguments(leaves: list) -> str | None:

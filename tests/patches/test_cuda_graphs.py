@@ -765,3 +765,61 @@ def test_library_switches_set_after_recording_record_again(stand_in):
         torch.backends.cuda.enable_flash_sdp(flash)
         exactdit.unpatch(tr)
     assert kind.captures == ["forward"] * 2
+
+
+@pytest.mark.parametrize("switch", ["fp32_precision", "sdp_priority", "math_sdp_reduction"])
+def test_tf32_through_the_new_api_and_sdpa_priorities_are_switches_too(stand_in, switch):
+    """PyTorch's ``fp32_precision`` TF32 settings (after which reading the legacy ``allow_tf32``
+    raises: the graphed call must still run), SDPA's backend priority (``sdpa_kernel(...,
+    set_priority=True)``) and reduced precision in SDPA's math kernel: each set after recording
+    makes another signature."""
+    kind = stand_in()
+    tr = _toy()
+    calls = [_toy_inputs(s) for s in range(2)]
+    cuda = torch.backends.cuda
+    saved = (cuda.matmul.fp32_precision, torch._C._get_sdp_priority_order(), cuda.fp16_bf16_reduction_math_sdp_allowed())
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        _calls(tr, calls * 2)
+        if switch == "fp32_precision":
+            cuda.matmul.fp32_precision = "tf32"
+        elif switch == "sdp_priority":
+            torch._C._set_sdp_priority_order(list(reversed(saved[1])))
+        else:
+            cuda.allow_fp16_bf16_reduction_math_sdp(not saved[2])
+        with torch.no_grad():
+            outs = [tr(*a) for a in calls * 2]
+    finally:
+        cuda.matmul.fp32_precision = saved[0]
+        torch._C._set_sdp_priority_order(saved[1])
+        cuda.allow_fp16_bf16_reduction_math_sdp(saved[2])
+        exactdit.unpatch(tr)
+    assert kind.captures == ["forward"] * 2 and len(outs) == 4
+
+
+@pytest.mark.parametrize("fail", [{}, {"forward": HOST_COPY}], ids=["whole", "block runs"])
+def test_arguments_that_require_grad_are_not_graphed(stand_in, fail):
+    """Gradient guidance: frozen weights, latents that require grad. A replay would hand back
+    detached copies (block runs) or a graph's spent autograd state (whole forward): such calls run
+    the model, and their outputs and gradients are eager's."""
+    kind = stand_in(**fail)
+    tr = _toy().requires_grad_(False)
+
+    def grad_of(x, temb):
+        x = x.clone().requires_grad_(True)
+        out = tr(x, temb)
+        out.float().sum().backward()
+        return out.detach(), x.grad
+
+    inputs = [_toy_inputs(s) for s in range(3)]
+    refs = [grad_of(*a) for a in inputs]
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        outs = [grad_of(*a) for a in inputs]
+    finally:
+        exactdit.unpatch(tr)
+    for (out, grad), (ref, ref_grad) in zip(outs, refs):
+        assert_bits_equal(out, ref)
+        assert_bits_equal(grad, ref_grad)
+    assert kind.captures == []
+    assert _entry()["eager_reasons"] == {"autograd is recording (an argument requires grad)": 3}

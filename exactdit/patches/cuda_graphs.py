@@ -421,7 +421,8 @@ class _BlockRunner:
             if not all(isinstance(x, _KEY_LEAVES) for x in leaves):  # (an object's state would be frozen)
                 why = "an argument that is neither a tensor nor a plain value"
             else:
-                key = (spec, _leaf_key(leaves, KIND.align), _aliases(leaves), inner, self.modes)
+                key = (spec, _leaf_key(leaves, KIND.align), _aliases(leaves), inner, self.modes,
+                       owner.watch.block_state(call.module))
         if why is not None:
             if self.record:
                 gate.count_eager(owner.blocks_name, why)

@@ -62,6 +62,7 @@ class _ModelWatch:
         self.lora = [m.__dict__ for m in peft if _is_lora_layer(m)]
         self.other_adapters = sorted({type(m).__name__ for m in peft if not _is_lora_layer(m)})
         self.module_ids = {id(m) for m in modules}
+        self.block_lora: dict[int, list[dict]] = {}  # see block_state
         self.gguf = diffusers_internals.dequantizes_gguf(self.module)  # see block_reason
         self.generation = _registrations
 
@@ -103,6 +104,17 @@ class _ModelWatch:
                 return never, None
             not_whole = not_whole or reason
         return None, not_whole
+
+    def block_state(self, block: torch.nn.Module) -> tuple:
+        """What a graph of one ``block`` call freezes that can change inside the model's forward:
+        its LoRA layers' state, which diffusers' ``apply_lora_scale`` scales for the length of a
+        forward called with ``attention_kwargs={"scale": s}`` (after :meth:`state` was read)."""
+        if not self.lora:
+            return ()
+        layers = self.block_lora.get(id(block))
+        if layers is None:
+            layers = self.block_lora[id(block)] = [m.__dict__ for m in block.modules() if _is_lora_layer(m)]
+        return tuple([_lora_state(d) for d in layers])
 
     def block_reason(self, block: torch.nn.Module, inner: bool) -> str | None:
         """Why a call of ``block`` may not be recorded for the hooks on it or its layers (or GGUF

@@ -654,6 +654,38 @@ def test_lora_models_are_recorded_and_record_again_when_their_adapters_change(st
     assert _entry("FluxTransformer2DModel")["graphed"] == "whole forward"
 
 
+def test_a_lora_scale_passed_per_call_records_the_blocks_again(stand_in):
+    """Qwen-Image runs as block runs; a pipeline passes the LoRA scale per call
+    (``attention_kwargs={"scale": s}``), which diffusers applies to peft's scales inside the
+    forward: a block graph recorded at one scale must not replay at another."""
+    from tests.ecosystem import lora_state_dict
+
+    kind = stand_in(forward=HOST_COPY)
+    tr = models.build_transformer("qwen", "tiny", dtype=torch.bfloat16, seed=1)
+    tr.load_lora_adapter(lora_state_dict(tr, 1, rank=4), adapter_name="a", prefix=None)
+    kw = models.forward_inputs("qwen", tr, batch=1, seed=2, height=32, width=32)
+
+    def call(scale):
+        return models.run_forward(tr, dict(kw, attention_kwargs={"scale": scale}))
+
+    with torch.no_grad():
+        refs = [call(1.0), call(0.5)]
+        assert not torch.equal(*refs)
+        exactdit.patch(tr, cuda_graphs=True)
+        try:
+            outs, recorded = [], []
+            for scale in (1.0, 0.5):
+                outs.append([call(scale) for _ in range(3)])
+                recorded.append(len(kind.captures))
+        finally:
+            exactdit.unpatch(tr)
+    for calls, ref in zip(outs, refs):
+        for out in calls:
+            assert_bits_equal(out, ref)
+    # each block again at the new scale (the final norm, without LoRA layers, replays)
+    assert recorded[1] - recorded[0] == len(tr.transformer_blocks) and set(kind.captures) == {"block"}
+
+
 def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(stand_in, tmp_path):
     """GGUF weights are dequantized around each block's call (patches.engine.hoisted_layers): a
     block graph would read the copies of its recording, so where the forward runs as block runs

@@ -5,6 +5,9 @@ run Python or move weights between kernels decide whether (and what) may be reco
 
 from __future__ import annotations
 
+import enum
+import operator
+
 import torch
 from torch.nn.modules import module as _nn_module
 
@@ -52,10 +55,19 @@ class _ModelWatch:
     def _rebuild(self) -> None:
         modules = list(self.module.modules())
         self.attrs = [m.__dict__ for m in modules]  # not getattr: nn.Module.__getattr__ is slow on a miss
-        self.tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        self.children = [m._modules for m in modules]
+        self.sizes = self._sizes()
+        # plain attributes a forward reads as Python (train/eval, fused_projections, a chunk size):
+        # one C-level itemgetter per module that has any
+        self.plain_attrs = [(operator.itemgetter(*keys), d) for d in self.attrs
+                            if (keys := [k for k, v in d.items() if _is_plain(v)])]
+        self.tensors = [t for m in modules for t in m._parameters.values() if t is not None]
         # tensor subclasses that wrap others (torchao's quantized weights) have no address of their own
         self.wrappers = [t for t in self.tensors if hasattr(t, "__tensor_flatten__")]
         self.plain = [t for t in self.tensors if not hasattr(t, "__tensor_flatten__")]
+        # buffers are read where they are at each call: .to() / .float() replace a buffer in its dict
+        # (a parameter keeps its object and gets new data), which fires no registration hook
+        self.buffers = [m._buffers for m in modules if m._buffers]
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
         peft = [m for m in modules if type(m).__module__.startswith("peft.")]
@@ -70,19 +82,24 @@ class _ModelWatch:
         """(the model's state as a small hashable key, why no graph may be recorded or None, why
         the whole forward may not be recorded (its blocks may) or None). The key changes when
         anything a graph froze changed since the previous call."""
-        if self.generation != _registrations:
+        if self.generation != _registrations or self._sizes() != self.sizes:  # (a deleted submodule, a new attribute)
             self._rebuild()
         # C-level list builds and compares: this runs before every replay
-        snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for t in self.wrappers],
-                    [d["training"] for d in self.attrs], [id(d["processor"]) for d in self.with_processor],
+        snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for d in self.buffers for t in d.values()],
+                    [_addresses(t) for t in self.wrappers],
+                    [get(d) for get, d in self.plain_attrs], [id(d["processor"]) for d in self.with_processor],
                     [_settings(d["processor"]) for d in self.with_processor],
                     diffusers_internals.default_attention_backend(), [_lora_state(d) for d in self.lora])
         if snapshot != self.snapshot:
             self.snapshot, self.epoch = snapshot, self.epoch + 1
         never, not_whole = self._cannot_hold()
-        if never is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors):
+        if never is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors):  # (parameters)
             never = "autograd is recording"
         return (self.generation, self.epoch), never, not_whole
+
+    def _sizes(self) -> tuple[list[int], list[int]]:
+        """How many attributes and submodules each module has: ``delattr`` fires no registration hook."""
+        return list(map(len, self.attrs)), list(map(len, self.children))
 
     def _cannot_hold(self) -> tuple[str | None, str | None]:
         """(why no graph at all, why no whole-forward graph)."""
@@ -141,6 +158,10 @@ def _addresses(t: torch.Tensor):
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_plain(value) -> bool:
+    return isinstance(value, _PLAIN + (enum.Enum,))
 
 
 def _settings(obj) -> tuple:

@@ -62,7 +62,12 @@ def test_the_state_key_follows_what_a_graph_freezes(flux):
         states = [moved]
         changes = [lambda: tr.train(), lambda: tr.eval(),
                    lambda: tr.transformer_blocks[0].attn.set_processor(type(tr.transformer_blocks[0].attn.processor)()),
-                   lambda: setattr(tr.transformer_blocks[0].norm1, "extra", torch.nn.Identity())]  # a new module
+                   lambda: setattr(tr.transformer_blocks[0].norm1, "extra", torch.nn.Identity()),  # a new module
+                   lambda: delattr(tr.transformer_blocks[0].norm1, "extra"),  # no registration hook fires
+                   lambda: setattr(tr.transformer_blocks[0].attn, "fused_projections", True),  # a plain attribute
+                   lambda: setattr(tr.transformer_blocks[0], "_chunk_size", 2),  # a new one
+                   lambda: tr.pos_embed.register_buffer("extra", torch.zeros(2)),
+                   lambda: tr.pos_embed.double()]  # the buffer replaced in its dict, no hook either
         for change in changes:
             change()
             states.append(watch.state()[0])
@@ -71,6 +76,29 @@ def test_the_state_key_follows_what_a_graph_freezes(flux):
     assert watch.state()[1] == "autograd is recording"
     with torch.no_grad():
         assert watch.state()[1] is None
+
+
+def test_unfusing_qkv_projections_records_again(stand_in):
+    """``unfuse_qkv_projections`` deletes the fused layers (``delattr``: no registration hook) and
+    sets a plain attribute the attention reads: graphs recorded fused must not replay."""
+    kind = stand_in()
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=3)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=4)
+    tr.fuse_qkv_projections()
+    exactdit.patch(tr, cuda_graphs=True)
+    try:
+        with torch.no_grad():
+            [models.run_forward(tr, kw) for _ in range(2)]
+            tr.unfuse_qkv_projections()
+            for block in tr.transformer_blocks:
+                block.attn.to_q.weight.mul_(2)  # only the unfused layers see it
+            outs = [models.run_forward(tr, kw) for _ in range(2)]
+    finally:
+        exactdit.unpatch(tr)
+    ref = models.run_forward(tr, kw)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert kind.captures == ["forward"] * 2
 
 
 def _hook_reason(tr):

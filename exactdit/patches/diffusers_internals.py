@@ -59,6 +59,10 @@ def hoistable_hook_chain(module) -> tuple:
     inner = chain[0].forward
     if getattr(inner, "__self__", None) is not module or getattr(inner, "__func__", None) is not type(module).forward:
         return ()
+    outer = d["forward"]  # diffusers' own wrapper of the outermost hook, nothing (accelerate's) around it
+    cells = getattr(getattr(outer, "func", None), "__closure__", None) or ()
+    if getattr(outer, "args", None) != (module,) or not any(c.cell_contents is chain[-1] for c in cells):
+        return ()
     return chain
 
 

@@ -152,9 +152,9 @@ class EngineCall:
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
 
     def __call__(self, *args, **kwargs):
+        if _capture_inside_hooks(self):
+            return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
         with _hoisted_layer_hooks(self.module):
-            if _capture_inside_hooks(self):
-                return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
             return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
@@ -365,7 +365,8 @@ class InnerCall:
     def __call__(self, *args, **kwargs):
         if getattr(self.owner.module, "_compiled_call_impl", None) is not self.owner:
             return self.forward(*args, **kwargs)
-        return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
+        with _hoisted_layer_hooks(self.owner.module):  # inside the block's own hooks, as unpatched
+            return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
 
 
 def _capture_inside_hooks(call: EngineCall) -> bool:
@@ -406,7 +407,7 @@ def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
             chain = diffusers_internals.hoistable_hook_chain(m)
             if chain:
                 hooked.append((m, chain))
-        elif diffusers_internals.holds_gguf_weight(m):
+        if diffusers_internals.holds_gguf_weight(m):
             gguf.append(m)
     return hooked, diffusers_internals.dequantized_gguf_layers(gguf)
 
@@ -414,7 +415,9 @@ def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
 class _hoisted_layer_hooks:
     """Layer hooks hoisted to the block: diffusers' hooks that move or cast a layer's weights run
     for every such layer of the block before the block's call (each ``pre_forward``, outermost
-    first) and after it (each ``post_forward``), and the layers run their own forwards in between,
+    first) and after it (each ``post_forward``), inside the block's own hooks (a block-level onload
+    first, as unpatched; a block a cache skips moves none of its layers), and the layers run their
+    own forwards in between,
     so Dynamo captures the block whole instead of breaking its graph at each layer
     (``module.to`` and the hooks' ``torch.compiler.disable``d moves cannot be traced). Each layer
     sees the weights it sees under its hooks:
@@ -465,12 +468,15 @@ class _hoisted_layer_hooks:
                     dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
 
     def __exit__(self, *exc):
-        for (layer, chain), forward in zip(self.layers, self.forwards):
-            for ref in chain:  # innermost first
-                ref.post_forward(layer, None)
-            layer.forward = forward
-        for layer, weight in zip(self.gguf, self.weights):
+        for layer, weight in zip(self.gguf, self.weights):  # before the offloads move the layers
             layer._parameters["weight"] = weight
+        try:
+            for (layer, chain), _ in zip(self.layers, self.forwards):
+                for ref in chain:  # innermost first
+                    ref.post_forward(layer, None)
+        finally:  # (a post_forward that raises leaves no layer without its hooks)
+            for (layer, _), forward in zip(self.layers, self.forwards):
+                layer.forward = forward
         return False
 
 

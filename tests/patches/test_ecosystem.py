@@ -226,6 +226,22 @@ def test_gguf_q8_0(name):
     assert all(p is dict(tr.named_parameters())[n] for n, p in quantized.items())  # given back after each call
 
 
+@needs_gguf
+def test_gguf_with_leaf_level_group_offloading():
+    """A GGUF layer with offloading hooks: its hooks are run around the block and its weight is
+    dequantized too (it raised), and put back before the offload moves the layer again."""
+    from diffusers.hooks import apply_group_offloading
+
+    tr, kw = _build("flux")
+    tr = _gguf_transformer("flux", tr)
+    apply_group_offloading(tr, onload_device="cpu", offload_device="cpu", offload_type="leaf_level")
+    with torch.no_grad():
+        before = tr(**kw, return_dict=False)[0]
+    _check(tr, kw)
+    with torch.no_grad():  # unpatched again: the layers' weights and hooks as they were
+        assert_bits_equal(tr(**kw, return_dict=False)[0], before)
+
+
 @needs_bnb
 @pytest.mark.parametrize("name", MODELS)
 def test_bitsandbytes_nf4(name):

@@ -3,6 +3,7 @@ parts, recapture limits, diffusers' hooks and caches around captured blocks, gro
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import pytest
@@ -375,9 +376,11 @@ def test_hooks_inside_blocks_capture_those_blocks_in_parts_until_removed():
         assert_bits_equal(plain, tr(**calls[0], return_dict=False)[0])
 
 
-def test_a_layer_hook_that_fails_before_the_block_leaves_every_hook_in_place(monkeypatch):
-    """A weight hook run for the block's layers that raises (an onload out of memory, say): the
-    call raises that error, every layer has its hooked forward back, and the next call is equal."""
+@pytest.mark.parametrize("when", ["pre_forward", "post_forward"])
+def test_a_layer_hook_that_fails_around_the_block_leaves_every_hook_in_place(monkeypatch, when):
+    """A weight hook run for the block's layers that raises before or after the block (an onload
+    out of memory, say): the call raises that error, every layer has its hooked forward back, and
+    the next call is equal."""
     tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
     kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
     tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
@@ -386,15 +389,15 @@ def test_a_layer_hook_that_fails_before_the_block_leaves_every_hook_in_place(mon
     hooked = {n for n, m in tr.named_modules() if "forward" in m.__dict__}
     failing = tr.transformer_blocks[0].attn.to_v
     (ref_,) = failing._diffusers_hook._fn_refs  # the hook's pre_forward as its chained forward calls it
-    pre_forward, failed = ref_.pre_forward, []
+    hook, failed = getattr(ref_, when), []
 
     def fails_once(module, *args, **kwargs):
         if not failed:
             failed.append(module)
             raise RuntimeError("CUDA out of memory (stand-in)")
-        return pre_forward(module, *args, **kwargs)
+        return hook(module, *args, **kwargs)
 
-    monkeypatch.setattr(ref_, "pre_forward", fails_once)
+    monkeypatch.setattr(ref_, when, fails_once)
     torch._dynamo.reset()
     exactdit.patch(tr)
     try:
@@ -402,8 +405,87 @@ def test_a_layer_hook_that_fails_before_the_block_leaves_every_hook_in_place(mon
             with pytest.raises(RuntimeError, match="out of memory"):
                 tr(**kw, return_dict=False)
             assert {n for n, m in tr.named_modules() if "forward" in m.__dict__} == hooked
-            assert all(p.dtype == torch.float8_e4m3fn for p in failing.parameters())
+            assert when == "post_forward" or all(p.dtype == torch.float8_e4m3fn for p in failing.parameters())
             out = tr(**kw, return_dict=False)[0]
     finally:
         exactdit.unpatch(tr)
     assert_bits_equal(out, ref)
+
+
+def _tiny_flux(layers=(2, 2)):
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": layers[0], "num_single_layers": layers[1]}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    return tr, models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+
+
+def _patched_equals_unpatched(tr, kw, calls=2):
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+        torch._dynamo.reset()
+        exactdit.patch(tr)
+        try:
+            outs = [tr(**kw, return_dict=False)[0] for _ in range(calls)]
+        finally:
+            exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+
+
+def test_layer_hooks_under_another_wrapper_are_left_on_their_layers():
+    """Layerwise casting, then accelerate's CPU offload (its hook wraps each layer's forward
+    outside diffusers' chain): taking the chain off the layer dropped accelerate's wrapper and the
+    layers ran on meta weights. Such layers keep their hooks (the blocks run in parts)."""
+    from accelerate import cpu_offload
+
+    tr, kw = _tiny_flux((1, 1))
+    tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    cpu_offload(tr, execution_device=torch.device("cpu"))
+    _patched_equals_unpatched(tr, kw)
+
+
+def test_layer_casting_runs_after_the_blocks_own_onload():
+    """fp8 layerwise casting on the layers, block-level group offloading to disk on the blocks:
+    as unpatched, the block's onload (fp8 weights from disk) comes first and the layers' casts after
+    it; run the other way round, the onload overwrote the upcast weights (a dtype error)."""
+    from diffusers.hooks import apply_group_offloading
+
+    tr, kw = _tiny_flux()
+    tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as disk:
+        apply_group_offloading(tr, onload_device="cpu", offload_device="cpu", offload_type="block_level",
+                               num_blocks_per_group=1, offload_to_disk_path=disk)
+        _patched_equals_unpatched(tr, kw)
+
+
+def test_blocks_skipped_by_a_cache_cast_none_of_their_layers():
+    """First-block cache with layerwise casting: the layers of blocks the cache skips are neither
+    cast nor moved, patched as unpatched (the layers' hooks run inside the block's own hooks)."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
+
+    tr, _, denoise = _cached_flux(FirstBlockCacheConfig(threshold=0.3), seeds=(7, 7, 7), layers=(3, 2))
+    tr.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    casts = []
+    original = LayerwiseCastingHook.pre_forward
+
+    def counted(self, module, *args, **kwargs):
+        casts.append(module)
+        return original(self, module, *args, **kwargs)
+
+    for m in tr.modules():
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and "layerwise_casting" in registry.hooks:
+            hook = registry.hooks["layerwise_casting"]
+            hook.fn_ref.pre_forward = counted.__get__(hook)
+    ref = denoise()
+    unpatched = len(casts)
+    casts.clear()
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    try:
+        out = denoise()
+    finally:
+        exactdit.unpatch(tr)
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+    assert len(casts) == unpatched

@@ -30,10 +30,12 @@ import importlib.util
 import json
 import os
 import queue
+import select
 import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # (not the builtin before Python 3.11)
 
 #: seconds a worker waits for a job before it exits
 IDLE_S = 300.0
@@ -83,9 +85,10 @@ def submit(fn, grid: tuple, args: tuple, kwargs: dict, device) -> bool:
     job = {"module": fn.fn.__module__, "path": sys.modules[fn.fn.__module__].__file__, "name": fn.fn.__name__,
            "specialization": data, "target": target}
     future: Future = Future()
+    pool = _pool()  # (raises before anything is pending: compile_ahead then sends nothing)
     with _lock:
         _PENDING.setdefault(fn, []).append(future)
-    _pool().put((job, future))
+    pool.put((job, future))
     return True
 
 
@@ -113,7 +116,7 @@ def wait(fn) -> int:
     for future in futures:
         try:
             compiled += future.result(timeout=WAIT_S)
-        except TimeoutError:  # a worker that hangs: the launch compiles it itself
+        except FutureTimeout:  # a worker that hangs: the launch compiles it itself
             pass
     return compiled
 
@@ -165,7 +168,10 @@ class _Workers:
         self.jobs.put(item)
 
     def _feed(self) -> None:
-        process = _spawn()  # started before its first job: importing Triton and torch takes seconds
+        try:
+            process = _spawn()  # started before its first job: importing Triton and torch takes seconds
+        except Exception:  # noqa: BLE001 - started (or given up) at the first job, inside its try
+            process = None
         while True:
             job, future = self.jobs.get()
             ok = False
@@ -181,7 +187,10 @@ class _Workers:
                     try:
                         process.stdin.write(json.dumps(job) + "\n")
                         process.stdin.flush()
-                        line = process.stdout.readline()
+                        # a worker that does not answer within WAIT_S is killed: the job answers
+                        # False (the launch compiles it), and compiling() does not stay True for ever
+                        answered = select.select([process.stdout], [], [], WAIT_S)[0]
+                        line = process.stdout.readline() if answered else ""
                     except (BrokenPipeError, OSError, ValueError):
                         line = ""
                     if line:

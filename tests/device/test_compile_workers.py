@@ -139,3 +139,63 @@ def test_workers_import_what_this_process_imports(monkeypatch, tmp_path):
     out = subprocess.run([sys.executable, "-c", "import only_here_mod; print(only_here_mod.VALUE)"],
                          env=spawned[0], capture_output=True, text=True)
     assert out.stdout.strip() == "7", out.stderr
+
+
+def test_a_worker_that_never_answers_is_given_up_after_the_wait(monkeypatch):
+    """A hung worker: its job answers False after ``WAIT_S`` (the launch compiles the kernel), so
+    the region it compiles for does not stay "compiling" (and eager) for ever."""
+    from concurrent.futures import Future
+
+    hung = []
+
+    def spawn():
+        hung.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True))
+        return hung[-1]
+
+    monkeypatch.setattr(compile_workers, "_spawn", spawn)
+    monkeypatch.setattr(compile_workers, "WAIT_S", 0.5)
+    workers, future = compile_workers._Workers(1), Future()
+    workers.put(({"module": "m", "path": "p", "name": "n", "specialization": "{}", "target": {}}, future))
+    try:
+        assert future.result(timeout=30) is False
+    finally:
+        for p in hung:
+            p.kill()
+    assert all(p.wait(timeout=10) is not None for p in hung)
+
+
+def test_a_pool_that_cannot_start_leaves_nothing_pending(monkeypatch):
+    """Threads that cannot start (a process limit): submit raises before a job is pending, so no
+    region waits for an answer that never comes; a feeding thread whose first worker cannot be
+    started answers its jobs."""
+    import json
+    import threading
+    from concurrent.futures import Future
+
+    from triton.runtime.jit import JITFunction
+
+    def kernel(x):
+        pass
+
+    fn = JITFunction(kernel)
+    monkeypatch.setattr(compile_workers, "_specialization", lambda *a, **k: (json.dumps({}), {"arch": 90}))
+    monkeypatch.setattr(compile_workers, "_POOL", [])
+    monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", "1")
+
+    def cannot_start(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError):
+        compile_workers.submit(fn, (1,), (), {}, None)
+    monkeypatch.undo()
+    assert not compile_workers.pending(fn) and not compile_workers.compiling(fn)
+
+    def broken():
+        raise TypeError("sys.path holds bytes")
+
+    monkeypatch.setattr(compile_workers, "_spawn", broken)
+    workers, future = compile_workers._Workers(1), Future()
+    workers.put(({"module": "m", "path": "p", "name": "n", "specialization": "{}", "target": {}}, future))
+    assert future.result(timeout=30) is False

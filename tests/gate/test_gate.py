@@ -343,3 +343,24 @@ def test_a_signature_whose_kernels_compile_runs_eager_until_they_are_compiled(mo
     for name in ("graphs", "env"):
         rep = exactdit.report(show=False)[name]
         assert gate.COMPILING not in rep["eager_reasons"] and rep["verified"], name
+
+
+def test_an_op_whose_compile_state_cannot_be_read_is_verified_and_fails_there(monkeypatch):
+    """Asking whether a region's kernels still compile loads their source (an unwritable cache
+    raises there): the error must not reach the caller; verification meets it, and the signature
+    runs eager with the reason, as when waiting for kernels."""
+    import dataclasses
+
+    monkeypatch.delenv("EXACTDIT_WAIT_FOR_KERNELS", raising=False)
+
+    def unreadable():
+        raise NotADirectoryError("the kernel cache")
+
+    op = dataclasses.replace(_op("unreadable"), compiling=unreadable)
+    op = dataclasses.replace(op, fused=lambda *a: unreadable())
+    args = _args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExactditMismatchWarning)
+        assert torch.equal(_run(op, *args), _residual_gate_add(*args))
+    rep = exactdit.report(show=False)["unreadable"]
+    assert rep["eager_reasons"] == {"mismatch at verification": 1} and "NotADirectoryError" in str(rep["disabled"])

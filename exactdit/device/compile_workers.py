@@ -44,9 +44,9 @@ WAIT_S = 600.0
 
 
 def worker_count() -> int:
-    """How many workers compile (``EXACTDIT_COMPILE_WORKERS``; default ``min(8, CPUs - 1)``)."""
-    value = os.environ.get("EXACTDIT_COMPILE_WORKERS")
-    if value is not None:
+    """How many workers compile (``EXACTDIT_COMPILE_WORKERS``; unset or empty: ``min(8, CPUs - 1)``)."""
+    value = os.environ.get("EXACTDIT_COMPILE_WORKERS", "")
+    if value.strip():
         if not value.strip().isdigit():
             raise ValueError(f"EXACTDIT_COMPILE_WORKERS must be a whole number of processes, got {value!r}")
         return int(value)

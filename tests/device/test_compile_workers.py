@@ -79,15 +79,18 @@ def test_workers_that_die_without_answering_are_given_up(monkeypatch):
     assert len(started) <= compile_workers._Workers.GIVE_UP + 1
 
 
-@pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None), ("two", ValueError), ("-1", ValueError)])
+@pytest.mark.parametrize("value,expected", [("0", 0), ("3", 3), (None, None), ("", None), ("two", ValueError),
+                                            ("-1", ValueError)])
 def test_worker_count(monkeypatch, value, expected):
     if expected is ValueError:
         monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", value)
         with pytest.raises(ValueError, match="EXACTDIT_COMPILE_WORKERS must be a whole number"):
             compile_workers.worker_count()
         return
-    if value is None:
+    if expected is None:  # unset or empty: the default
         monkeypatch.delenv("EXACTDIT_COMPILE_WORKERS", raising=False)
+        if value is not None:
+            monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", value)
         expected = max(0, min(8, (os.cpu_count() or 1) - 1))
     else:
         monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", value)

@@ -8,9 +8,9 @@ by the plain call that precedes each recording, and a region the gate has not ve
 its ATen nodes instead (the gate never syncs while a graph is recorded).
 
 Per call: the signature is the tree of arguments (tensor shapes, dtypes, strides, devices; every
-other argument by value), grad / inference / autocast mode, and the model's state a graph would
-freeze (the address of every parameter and buffer, the module tree, attention processors,
-train/eval). A new signature runs the model normally, then records it (on static buffers with the
+other argument by value), grad / inference / autocast mode and the library switches, and the
+model's state a graph would freeze (the address of every parameter and buffer, the module tree,
+attention processors, every module's plain attributes: :mod:`graph_watch`). A new signature runs the model normally, then records it (on static buffers with the
 arguments' values, strides and alignment); later calls copy their tensors into them, replay, and return
 clones of the static outputs (a pipeline with true CFG keeps one output while computing the next).
 Graphs of one model share one memory pool: replays are sequential, so one graph's intermediates

@@ -8,7 +8,7 @@
 #   engine-tests     pytest -m gpu for the engine
 #   unrun-tests      the GPU tests written since the last device run (2026-12-04): calls while kernels compile,
 #                    group offloading (leaf level, streams, prefetch order recorded unpatched or patched), LoRA
-#                    replays across adapter changes; a few minutes
+#                    replays across adapter changes, fused GEMMs in every candidate tile configuration; a few minutes
 #   engine-ernie     ERNIE-Image 1024^2 and 512^2 through the engine: one forward each, equal to eager
 #   engine-chroma    diffusers' Chroma test configs
 #   minis-tests      pytest -m gpu tests/minis/test_gpu_minis.py: 27 more transformer classes at tiny configs (SD3, Flux.2,
@@ -82,8 +82,9 @@ for stage in "$@"; do
       timeout 195 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 --batch 1 \
         --repeat 7 --breakdown --compile 2>&1 | grep -E "^\||breakdown|DISABLED|EAGER" | tee "$OUT/flux_bench.log" ;;
     unrun-tests)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/engine/test_gpu_engine.py \
-        tests/patches/test_gpu_cuda_graphs.py -k "calls_while or group_offloaded or lora_replays" 2>&1 | \
+      timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/engine/test_gpu_engine.py \
+        tests/patches/test_gpu_cuda_graphs.py tests/engine/test_gpu_gemm.py \
+        -k "calls_while or group_offloaded or lora_replays or candidate_tile or way_that_raises or timed_choice" 2>&1 | \
         tee "$OUT/gpu_unrun_tests.log" | tail -12 ;;
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;

@@ -67,16 +67,57 @@ class StagedOutput:
         return self.out / Path(name).name
 
     def commit(self) -> None:
-        """Move every staged file into ``out`` (replacing the owned files of an earlier run)."""
+        """Move every staged file into ``out`` (replacing the owned files of an earlier run), all or
+        nothing (:func:`replace_in`)."""
         assert self.stage is not None, "StagedOutput used outside its with block"
+        old = [f for pattern in self.owned for f in self.out.glob(pattern) if f.is_file() or f.is_symlink()] \
+            if self.out.is_dir() else []
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            for pattern in self.owned:
-                for old in self.out.glob(pattern):
-                    if old.is_file() or old.is_symlink():
-                        old.unlink()
-            for f in sorted(self.stage.iterdir()):
-                shutil.move(str(f), str(self.out / f.name))
+            replace_in(self.out, sorted(self.stage.iterdir()), old)
         except OSError as exc:
             raise HarnessError(f"{self.option} {self.out}: could not write the results "
                                f"({exc.strerror or exc})") from None
+
+
+def replace_in(out: Path, new: list[Path], old: list[Path]) -> None:
+    """Move ``new`` (files or folders) into ``out`` in place of ``old`` (entries of ``out``; and of
+    any entry of a new one's name), all or nothing: the new entries first go into a hidden folder
+    in ``out`` (a copy where they lie on another file system, while the old set stays whole), the
+    old ones are renamed aside, the new ones renamed in. An error or an interrupt (Ctrl-C) on the
+    way puts the old entries back and leaves none of the new ones, nor an ``out`` it created."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    old = list(dict.fromkeys([*old, *(out / p.name for p in new)]))
+    incoming = aside = None
+    set_aside, placed = [], []
+    try:
+        incoming = Path(tempfile.mkdtemp(prefix=".exactdit-new-", dir=out))
+        aside = Path(tempfile.mkdtemp(prefix=".exactdit-old-", dir=out))
+        for p in new:
+            shutil.move(str(p), str(incoming / p.name))
+        for p in old:
+            if p.exists() or p.is_symlink():
+                p.rename(aside / p.name)
+                set_aside.append(p.name)
+        for p in new:
+            (incoming / p.name).rename(out / p.name)
+            placed.append(p.name)
+    except BaseException:
+        for name in placed:
+            _remove(out / name)
+        for name in set_aside:
+            (aside / name).rename(out / name)
+        raise
+    finally:
+        for folder in (incoming, aside):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

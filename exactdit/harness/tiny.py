@@ -35,12 +35,11 @@ def write_tiny_pipeline(path, seed: int = 0, force: bool = False) -> str:
     (``force``: replace the pipeline already there: its model_index.json and component folders;
     other files are kept). Saved in a temporary folder first, so a failure leaves ``path`` as it was."""
     import json
-    import shutil
     import tempfile
     from pathlib import Path
 
     from .demo import HarnessError
-    from .outputs import check_writable
+    from .outputs import check_writable, replace_in
 
     out = check_writable(path, option="DIR")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -48,23 +47,16 @@ def write_tiny_pipeline(path, seed: int = 0, force: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="exactdit-tiny-") as stage:
         build_tiny_pipeline(seed=seed).save_pretrained(stage)
         new = sorted(Path(stage).iterdir())
+        old = set()
+        index = out / "model_index.json"
+        if index.is_file():  # the earlier pipeline's components: plain names of folders in DIR only
+            try:
+                old = {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)
+                       and k not in ("", ".", "..") and Path(k).name == k and not Path(k).is_absolute()}
+            except (ValueError, UnicodeDecodeError, AttributeError):
+                pass
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            old = {p.name for p in new}
-            index = out / "model_index.json"
-            if index.is_file():
-                try:
-                    old |= {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)}
-                except (ValueError, UnicodeDecodeError, AttributeError):
-                    pass
-            for name in sorted(old):
-                p = out / name
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                elif p.exists() or p.is_symlink():
-                    p.unlink()
-            for p in new:
-                shutil.move(str(p), str(out / p.name))
+            replace_in(out, new, [out / name for name in sorted(old)])
         except OSError as exc:
             raise HarnessError(f"DIR {out}: could not write the pipeline ({exc.strerror or exc})") from None
     return str(out)

@@ -554,6 +554,58 @@ def test_tiny_pipeline_refuses_a_non_empty_folder_without_force(tmp_path):
     assert (target / "model_index.json").is_file()
 
 
+@pytest.mark.parametrize("key", ["..", "", "absolute"])
+def test_tiny_pipeline_force_removes_nothing_outside_dir(tmp_path, key):
+    """The components of the pipeline already in DIR come from its model_index.json: a key that is
+    not a plain name (``..``, empty, absolute) names nothing to remove. (Every key here names
+    something inside ``tmp_path``: a broken build must not be able to remove more than that.)"""
+    import json
+
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "file.txt").write_text("keep")
+    target = tmp_path / "pipe"
+    target.mkdir()
+    (target / "mine.txt").write_text("keep")
+    key = str(tmp_path / "keep") if key == "absolute" else key
+    (target / "model_index.json").write_text(json.dumps({key: ["diffusers", "X"]}))
+    assert invoke("tiny-pipeline", target, "--force").exit_code == 0
+    assert (tmp_path / "keep" / "file.txt").read_text() == "keep" and (target / "mine.txt").read_text() == "keep"
+    assert (target / "model_index.json").is_file() and (target / "transformer").is_dir()
+
+
+def test_an_interrupted_commit_leaves_the_earlier_results_whole(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while the new files are moved in: the earlier run's files are back,
+    none of the new ones is left, and an output folder the commit created is removed."""
+    import os
+    import pathlib
+
+    from exactdit.harness import outputs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a.png", "b.json"):
+        (out / name).write_text("old " + name)
+    (out / "user.txt").write_text("mine")
+    real_rename = os.rename
+
+    def interrupted(src, dst, *args, **kwargs):  # the second new file's move into place
+        if ".exactdit-new-" in str(src) and pathlib.Path(dst).name == "b.json":
+            raise KeyboardInterrupt
+        return real_rename(src, dst, *args, **kwargs)
+
+    for target in (out, tmp_path / "fresh"):
+        with outputs.StagedOutput(target, ["*.png", "*.json"]) as staged:
+            for name in ("a.png", "b.json"):
+                staged.path(name).write_text("new " + name)
+            monkeypatch.setattr(os, "rename", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                staged.commit()
+            monkeypatch.setattr(os, "rename", real_rename)
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"a.png": "old a.png", "b.json": "old b.json",
+                                                              "user.txt": "mine"}
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_tiny_pipeline_into_an_unwritable_place_names_dir():
     res = invoke("tiny-pipeline", "/proc/exactdit-x")
     assert_clean_error(res, 1, "Error: DIR /proc/exactdit-x: cannot write there")

@@ -54,9 +54,14 @@ def context_parallel_plan(model) -> dict:
 
 
 def enable_context_parallel(model, config) -> None:
-    """``model.enable_parallelism(config=config, cp_plan=...)`` with :func:`context_parallel_plan`.
+    """``model.enable_parallelism(config=config, cp_plan=...)`` with :func:`context_parallel_plan`;
+    ``model``: a transformer or a pipeline (its ``transformer``).
 
     ``config`` is a diffusers ``ContextParallelConfig`` (or ``ParallelConfig``);
     ``torch.distributed`` must be initialised, as diffusers requires.
     """
+    model = getattr(model, "transformer", model)
+    if not hasattr(model, "enable_parallelism"):
+        raise TypeError(f"exactdit.enable_context_parallel: expected a diffusers transformer or pipeline, got "
+                        f"{type(model).__name__}")
     model.enable_parallelism(config=config, cp_plan=context_parallel_plan(model))

@@ -131,6 +131,15 @@ class DemoOptions:
     cuda_graphs: bool = False
 
 
+def set_guidance(call: dict, scale: float, model: str) -> None:
+    """``--guidance-scale`` into a pipeline call: true CFG's scale where the pipeline takes one
+    (Qwen-Image), else its guidance scale; a pipeline with neither refuses the option."""
+    key = next((k for k in ("true_cfg_scale", "guidance_scale") if k in call), None)
+    if key is None:
+        raise HarnessError(f"--guidance-scale: {model}'s pipeline takes no guidance scale")
+    call[key] = scale
+
+
 def _fmt_reasons(reasons: dict) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
@@ -157,12 +166,13 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> int:
         height, width, frames = DEMO_SIZES.get(config, (prod.height, prod.width, prod.num_frames))
         call = models.pipeline_call_kwargs(opts.model, height=height, width=width, num_frames=frames,
                                            steps=opts.steps, seed=opts.seed)
-        if opts.guidance_scale is not None and "guidance_scale" in call:
-            call["guidance_scale"] = opts.guidance_scale
+        if opts.guidance_scale is not None:
+            set_guidance(call, opts.guidance_scale, opts.model)
         size = f"{height}x{width}" + (f"x{frames} frames" if spec.video else "")
         echo(f"exactdit demo: {opts.model} config={config} ({n_params / 1e6:.2f}M params) through diffusers' "
              f"{spec.pipeline_cls.__name__}, {size}, {opts.steps} steps, {dtname}, seed {opts.seed}"
-             + (f", guidance {call['guidance_scale']:g}" if "guidance_scale" in call else ""))
+             + "".join(f", {what} {call[key]:g}" for key, what in (("guidance_scale", "guidance"),
+                                                                       ("true_cfg_scale", "true CFG")) if key in call))
         dev_info = perf.device_info(device)
         echo(f"device: {device.type} ({dev_info.get('name')}, torch threads {dev_info.get('torch_threads')})")
         if device.type != "cuda":
@@ -211,7 +221,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> int:
         latent_side_by_side(image_latents(pipe, eager["latents"], height, width),
                             image_latents(pipe, patched["latents"], height, width)).save(out.path(DEMO_FILES[0]))
         args = {"model": opts.model, "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname,
-                "device": str(device), "guidance_scale": call.get("guidance_scale"), "warmup": opts.warmup,
+                "device": str(device), "guidance_scale": call.get("true_cfg_scale", call.get("guidance_scale")), "warmup": opts.warmup,
                 "params": n_params, "height": height, "width": width, "num_frames": frames if spec.video else None,
                 "model_config": dict(spec.config(config))}
         perf_paths = {}

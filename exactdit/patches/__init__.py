@@ -51,8 +51,10 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
     model then runs diffusers' code.
     ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
-    signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``summary["cuda_graphs"]``
-    says whether that mode is on."""
+    signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``False`` turns that mode off
+    on a model patched with it; ``summary["cuda_graphs"]`` says whether the mode is on."""
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"exactdit.patch: cuda_graphs must be True or False, got {cuda_graphs!r}")
     model = _transformer(obj)
     summary = engine.patch_transformer(model)
     if not summary["patched"]:
@@ -62,6 +64,9 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
         if not summary["cuda_graphs"]:
             warnings.warn(f"exactdit.patch: no CUDA graphs for {type(model).__name__}: its call is already "
                           "redirected (nn.Module.compile)", stacklevel=2)
+    else:
+        graphs.disable(model)
+        summary["cuda_graphs"] = False
     return summary
 
 

@@ -754,3 +754,17 @@ def test_selfcheck_exits_non_zero_when_a_model_differs(monkeypatch):
     lines = []
     assert selfcheck.main(("flux",), echo=lines.append) == 1
     assert any(line.startswith("FAIL flux") for line in lines)
+
+
+def test_guidance_scale_reaches_every_models_pipeline():
+    """Qwen-Image's pipeline takes true CFG's scale (the option was dropped for it); a call with
+    no guidance at all refuses the option."""
+    from exactdit.harness import models
+    from exactdit.harness.demo import HarnessError, set_guidance
+
+    for name in ("qwen", "flux", "ernie"):
+        call = models.pipeline_call_kwargs(name, height=32, width=32, steps=1)
+        set_guidance(call, 7.0, name)
+        assert call.get("true_cfg_scale", call.get("guidance_scale")) == 7.0, (name, call)
+    with pytest.raises(HarnessError, match="takes no guidance scale"):
+        set_guidance({"prompt": "x"}, 7.0, "x")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import exactdit
+from exactdit.harness import models
 
 
 def test_unpatch_of_something_else_names_unpatch():
@@ -35,3 +36,28 @@ def test_patch_of_a_pipeline_without_a_transformer_says_what_is_missing():
     with pytest.raises(TypeError, match=r"^exactdit\.patch: DDPMPipeline has no transformer to patch \(its denoiser "
                                         r"is a UNet, pipe\.unet; exactdit patches diffusion transformers\)$"):
         exactdit.patch(ddpm)
+
+
+def test_the_cuda_graph_switch_is_a_bool_and_turns_the_mode_off_too():
+    from exactdit.patches import cuda_graphs
+
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=1)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 'no'"):
+        exactdit.patch(tr, cuda_graphs="no")
+    try:
+        assert exactdit.patch(tr, cuda_graphs=True)["cuda_graphs"] is True and cuda_graphs.graphed(tr)
+        assert exactdit.patch(tr)["cuda_graphs"] is False and cuda_graphs.graphed(tr) is None
+    finally:
+        exactdit.unpatch(tr)
+
+
+def test_context_parallelism_takes_a_pipeline_or_says_what_it_needs():
+    from types import SimpleNamespace
+
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=1)
+    seen = []
+    tr.enable_parallelism = lambda config, cp_plan: seen.append((config, cp_plan))
+    exactdit.enable_context_parallel(SimpleNamespace(transformer=tr), "config")
+    assert seen and seen[0][0] == "config" and seen[0][1]
+    with pytest.raises(TypeError, match="expected a diffusers transformer or pipeline, got object"):
+        exactdit.enable_context_parallel(object(), "config")

@@ -16,22 +16,25 @@ from exactdit.patches import cuda_graphs as graphs
 from exactdit.patches import engine
 
 
-def _transformer(obj, caller: str = "patch"):
-    """The transformer of a pipeline (anything with ``.transformer``), of a torch.compile
-    wrapper, or ``obj`` itself."""
+#: a pipeline's transformers (Wan 2.2 A14B's second one runs the low-noise steps)
+TRANSFORMERS = ("transformer", "transformer_2")
+
+
+def _transformers(obj, caller: str = "patch") -> list:
+    """The transformers of a pipeline (``transformer`` and ``transformer_2``, those not None), of
+    a torch.compile wrapper, or ``obj`` itself."""
     import torch
 
-    model = getattr(obj, "transformer", None)
-    model = obj if model is None else model
-    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
-    if not isinstance(model, torch.nn.Module):
+    found = [m for m in (getattr(obj, name, None) for name in TRANSFORMERS) if m is not None] or [obj]
+    found = [getattr(m, "_orig_mod", m) for m in found]  # torch.compile's OptimizedModule
+    if not all(isinstance(m, torch.nn.Module) for m in found):
         if isinstance(getattr(obj, "components", None), dict):  # a diffusers pipeline without a transformer
             raise TypeError(f"exactdit.{caller}: {type(obj).__name__} has no transformer to {caller}"
                             + _what_it_has(obj))
         raise TypeError(
             f"exactdit.{caller}: expected a diffusers pipeline or transformer, got {type(obj).__name__}"
         )
-    return model
+    return found
 
 
 def _what_it_has(pipe) -> str:
@@ -49,21 +52,34 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
     ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
-    model then runs diffusers' code.
+    model then runs diffusers' code. A pipeline with two transformers (Wan 2.2's ``transformer``
+    and ``transformer_2``) has both patched: the summary counts both, ``summary["models"]`` holds
+    each one's.
     ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
     signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``False`` turns that mode off
     on a model patched with it; ``summary["cuda_graphs"]`` says whether the mode is on."""
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"exactdit.patch: cuda_graphs must be True or False, got {cuda_graphs!r}")
-    model = _transformer(obj)
+    summaries = [_patch_one(model, cuda_graphs) for model in _transformers(obj)]
+    if len(summaries) == 1:
+        return summaries[0]
+    modules: dict[str, int] = {}
+    for one in summaries:
+        for cls, n in one.get("modules", {}).items():
+            modules[cls] = modules.get(cls, 0) + n
+    return {**summaries[0], "patched": all(one["patched"] for one in summaries), "modules": modules,
+            "models": dict(zip(TRANSFORMERS, summaries))}
+
+
+def _patch_one(model, cuda_graphs: bool) -> dict:
     summary = engine.patch_transformer(model)
     if not summary["patched"]:
-        warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=2)
+        warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=3)
     if cuda_graphs:
         summary["cuda_graphs"] = graphs.enable(model)
         if not summary["cuda_graphs"]:
             warnings.warn(f"exactdit.patch: no CUDA graphs for {type(model).__name__}: its call is already "
-                          "redirected (nn.Module.compile)", stacklevel=2)
+                          "redirected (nn.Module.compile)", stacklevel=3)
     else:
         graphs.disable(model)
         summary["cuda_graphs"] = False
@@ -71,11 +87,15 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
 
 
 def unpatch(obj) -> dict:
-    """Restore diffusers' behaviour on ``obj`` (a pipeline or a transformer). Returns what was
-    restored: ``{"restored": {block class: count}}`` (empty when nothing was patched)."""
-    model = _transformer(obj, "unpatch")
-    graphs.disable(model)
-    return engine.unpatch_transformer(model)
+    """Restore diffusers' behaviour on ``obj`` (a pipeline, both its transformers, or a
+    transformer). Returns what was restored: ``{"restored": {block class: count}}`` (empty when
+    nothing was patched)."""
+    restored: dict[str, int] = {}
+    for model in _transformers(obj, "unpatch"):
+        graphs.disable(model)
+        for cls, n in engine.unpatch_transformer(model)["restored"].items():
+            restored[cls] = restored.get(cls, 0) + n
+    return {"restored": restored}
 
 
 __all__ = ["patch", "unpatch"]

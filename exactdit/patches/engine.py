@@ -523,10 +523,18 @@ def patch_transformer(model: torch.nn.Module) -> dict:
     model_name = type(model).__name__
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    compiled = set()
     for cls, module in targets(model):
-        if not isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
+        current = getattr(module, "_compiled_call_impl", None)
+        if not isinstance(current, EngineCall):
             module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}")
+            module._compiled_call_impl.previous = current  # (unpatch gives a user's compile back)
+            if current is not None:
+                compiled.add(cls)
         counts[cls] = counts.get(cls, 0) + 1
+    if compiled:
+        warnings.warn(f"exactdit.patch: {', '.join(sorted(compiled))} blocks were compiled (compile_repeated_blocks, "
+                      "Module.compile): exactdit's engine runs them now; unpatch gives their compile back", stacklevel=3)
     if any(p.is_cuda for p in itertools.islice(model.parameters(), 1)) and launch.supported(torch.device("cuda")):
         compile_workers.start()  # they start up while the first call captures its blocks
     return {"patched": True, "engine": True, "modules": counts}
@@ -535,8 +543,9 @@ def patch_transformer(model: torch.nn.Module) -> dict:
 def unpatch_transformer(model: torch.nn.Module) -> dict:
     counts: dict[str, int] = {}
     for cls, module in targets(model):
-        if isinstance(getattr(module, "_compiled_call_impl", None), EngineCall):
-            module._compiled_call_impl = None
+        call = getattr(module, "_compiled_call_impl", None)
+        if isinstance(call, EngineCall):
+            module._compiled_call_impl = getattr(call, "previous", None)
             _remove_inner_calls(module)
             counts[cls] = counts.get(cls, 0) + 1
     return {"restored": counts}

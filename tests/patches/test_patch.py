@@ -61,3 +61,43 @@ def test_context_parallelism_takes_a_pipeline_or_says_what_it_needs():
     assert seen and seen[0][0] == "config" and seen[0][1]
     with pytest.raises(TypeError, match="expected a diffusers transformer or pipeline, got object"):
         exactdit.enable_context_parallel(object(), "config")
+
+
+def test_both_transformers_of_a_wan22_pipeline_are_patched_and_unpatched():
+    """Wan 2.2 A14B: ``transformer_2`` runs the low-noise steps; it was left to diffusers' code (and
+    a pipeline with only ``transformer_2`` raised "no transformer")."""
+    import diffusers
+
+    from exactdit.patches.engine import EngineCall
+
+    p = models.build_pipeline("wan", "tiny", seed=0, dtype=torch.bfloat16)
+    second = models.build_transformer("wan", "tiny", dtype=torch.bfloat16, seed=7)
+    pipe = diffusers.WanPipeline(tokenizer=p.tokenizer, text_encoder=p.text_encoder, vae=p.vae, scheduler=p.scheduler,
+                                 transformer=p.transformer, transformer_2=second, boundary_ratio=0.5)
+
+    def patched(model):
+        return sum(isinstance(m._compiled_call_impl, EngineCall) for m in model.modules())
+
+    blocks = len(second.blocks)
+    summary = exactdit.patch(pipe)
+    assert summary["patched"] and set(summary["models"]) == {"transformer", "transformer_2"}
+    assert patched(pipe.transformer) >= blocks and patched(second) >= blocks
+    assert summary["modules"]["WanTransformerBlock"] == 2 * blocks
+    assert exactdit.unpatch(pipe)["restored"]["WanTransformerBlock"] == 2 * blocks
+    assert patched(pipe.transformer) == patched(second) == 0
+    pipe.register_modules(transformer=None)
+    assert exactdit.patch(pipe)["modules"]["WanTransformerBlock"] == blocks and patched(second) >= blocks
+    exactdit.unpatch(pipe)
+
+
+def test_blocks_compiled_before_patching_get_their_compile_back():
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=1)
+    tr.compile_repeated_blocks(backend="eager")
+    block = tr.transformer_blocks[0]
+    before = block._compiled_call_impl
+    assert before is not None
+    with pytest.warns(UserWarning, match="were compiled"):
+        exactdit.patch(tr)
+    assert block._compiled_call_impl is not before
+    exactdit.unpatch(tr)
+    assert block._compiled_call_impl is before

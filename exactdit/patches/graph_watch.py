@@ -66,8 +66,10 @@ class _ModelWatch:
         self.wrappers = [t for t in self.tensors if hasattr(t, "__tensor_flatten__")]
         self.plain = [t for t in self.tensors if not hasattr(t, "__tensor_flatten__")]
         # buffers are read where they are at each call: .to() / .float() replace a buffer in its dict
-        # (a parameter keeps its object and gets new data), which fires no registration hook
+        # (a parameter keeps its object and gets new data), which fires no registration hook; so are
+        # tensors kept as plain attributes (a rotary cache)
         self.buffers = [m._buffers for m in modules if m._buffers]
+        self.tensor_attrs = [(d, k) for d in self.attrs for k, v in d.items() if isinstance(v, torch.Tensor)]
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.hook_dicts = [d[k] for d in self.attrs for k in ("_forward_hooks", "_forward_pre_hooks")]
         peft = [m for m in modules if type(m).__module__.startswith("peft.")]
@@ -86,6 +88,7 @@ class _ModelWatch:
             self._rebuild()
         # C-level list builds and compares: this runs before every replay
         snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for d in self.buffers for t in d.values()],
+                    [_addresses(d.get(k)) for d, k in self.tensor_attrs],
                     [_addresses(t) for t in self.wrappers],
                     [get(d) for get, d in self.plain_attrs], [id(d["processor"]) for d in self.with_processor],
                     [_settings(d["processor"]) for d in self.with_processor],

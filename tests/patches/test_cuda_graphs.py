@@ -67,7 +67,9 @@ def test_the_state_key_follows_what_a_graph_freezes(flux):
                    lambda: setattr(tr.transformer_blocks[0].attn, "fused_projections", True),  # a plain attribute
                    lambda: setattr(tr.transformer_blocks[0], "_chunk_size", 2),  # a new one
                    lambda: tr.pos_embed.register_buffer("extra", torch.zeros(2)),
-                   lambda: tr.pos_embed.double()]  # the buffer replaced in its dict, no hook either
+                   lambda: tr.pos_embed.double(),  # the buffer replaced in its dict, no hook either
+                   lambda: setattr(tr.pos_embed, "cache", torch.zeros(3)),  # a tensor kept as a plain attribute
+                   lambda: setattr(tr.pos_embed, "cache", torch.zeros(3))]  # ... replaced
         for change in changes:
             change()
             states.append(watch.state()[0])

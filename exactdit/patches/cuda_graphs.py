@@ -10,9 +10,9 @@ its ATen nodes instead (the gate never syncs while a graph is recorded).
 Per call: the signature is the tree of arguments (tensor shapes, dtypes, strides, devices; every
 other argument by value), grad / inference / autocast mode and the library switches, and the
 model's state a graph would freeze (the address of every parameter and buffer, the module tree,
-attention processors, every module's plain attributes: :mod:`graph_watch`). A new signature runs the model normally, then records it (on static buffers with the
-arguments' values, strides and alignment); later calls copy their tensors into them, replay, and return
-clones of the static outputs (a pipeline with true CFG keeps one output while computing the next).
+attention processors, every module's plain attributes: :mod:`graph_watch`). A new signature runs
+the model normally, then records it (on static buffers with the arguments' values, strides and
+alignment); later calls copy their tensors into them, replay, and return clones of the static outputs (a pipeline with true CFG keeps one output while computing the next).
 Graphs of one model share one memory pool: replays are sequential, so one graph's intermediates
 are dead when the next runs.
 
@@ -53,6 +53,7 @@ import torch.utils._pytree as pytree
 from exactdit import gate
 from exactdit.device import launch
 from exactdit.patches import engine
+from exactdit.patches import graph_watch
 from exactdit.patches.graph_watch import _ModelWatch  # noqa: F401  (tests and benchmarks import it from here)
 from exactdit.patches.engine import _first_line
 
@@ -230,7 +231,7 @@ class GraphedCall:
             self._describe(NOTHING, never)
             gate.count_eager(self.name, never)
             return module._call_impl(*args, **kwargs)
-        modes = _modes()
+        modes = graph_watch.modes()
         try:
             key = (spec, _leaf_key(leaves, KIND.align), modes, state)
             hash(key)
@@ -527,42 +528,6 @@ def _written(t: torch.Tensor) -> torch.Tensor:
         if st == 0 and n > 1:
             t = t.narrow(d, 0, 1)
     return t
-
-
-def _modes() -> tuple:
-    """The process-wide settings a recording freezes: grad and inference mode, the default dtype
-    (tensors a forward creates), autocast, and the switches that pick the library kernels eager
-    would run (TF32 through either of PyTorch's two APIs, reduced-precision reductions of cuBLAS
-    and of SDPA's math kernel, cuDNN's, SDPA's backends and their priority, deterministic
-    algorithms, the BLAS library): a call under other settings is another signature."""
-    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
-            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-            *map(_setting, _SETTINGS), cuda.matmul.allow_bf16_reduced_precision_reduction,
-            cuda.matmul.allow_fp16_reduced_precision_reduction, getattr(cuda.matmul, "allow_fp16_accumulation", None),
-            cudnn.enabled, cudnn.benchmark, cudnn.deterministic,
-            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-            cuda.cudnn_sdp_enabled(), _setting(cuda.fp16_bf16_reduction_math_sdp_allowed),
-            _setting(lambda: tuple(torch._C._get_sdp_priority_order())),
-            torch.are_deterministic_algorithms_enabled(), cuda.preferred_blas_library())
-
-
-#: TF32 settings: the legacy flags and PyTorch's ``fp32_precision`` ones (once a process sets the
-#: new ones, reading a legacy flag raises; a version without them reads None)
-_SETTINGS = (
-    lambda: torch.backends.cuda.matmul.allow_tf32, lambda: torch.backends.cudnn.allow_tf32,
-    torch.get_float32_matmul_precision, lambda: torch.backends.fp32_precision,
-    lambda: torch.backends.cuda.matmul.fp32_precision, lambda: torch.backends.cudnn.fp32_precision,
-    lambda: torch.backends.cudnn.conv.fp32_precision, lambda: torch.backends.cudnn.rnn.fp32_precision,
-)
-
-
-def _setting(read):
-    """``read()``, or what stands in for a setting this PyTorch lacks or will not read back."""
-    try:
-        return read()
-    except (AttributeError, RuntimeError) as e:
-        return type(e).__name__
 
 
 def _records_grad(leaves: list) -> str | None:

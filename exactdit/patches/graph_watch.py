@@ -1,7 +1,8 @@
 """What a CUDA graph recorded from a model freezes, and the hooks it cannot hold: checked on every
 call of a graphed model (:mod:`exactdit.patches.cuda_graphs`). A graph replays fixed kernels on
 fixed addresses, so moved weights, a changed module tree or processors, train/eval, and hooks that
-run Python or move weights between kernels decide whether (and what) may be recorded."""
+run Python or move weights between kernels decide whether (and what) may be recorded; the
+process-wide settings a recording freezes are :func:`modes`."""
 
 from __future__ import annotations
 
@@ -230,3 +231,39 @@ def _block_hooks(block: torch.nn.Module, inner: bool) -> str | None:
         if d["_forward_hooks"] or d["_forward_pre_hooks"]:
             return f"torch forward hooks on {where} run Python inside its graph"
     return None
+
+
+def modes() -> tuple:
+    """The process-wide settings a recording freezes: grad and inference mode, the default dtype
+    (tensors a forward creates), autocast, and the switches that pick the library kernels eager
+    would run (TF32 through either of PyTorch's two APIs, reduced-precision reductions of cuBLAS
+    and of SDPA's math kernel, cuDNN's, SDPA's backends and their priority, deterministic
+    algorithms, the BLAS library): a call under other settings is another signature."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            *map(_setting, _SETTINGS), cuda.matmul.allow_bf16_reduced_precision_reduction,
+            cuda.matmul.allow_fp16_reduced_precision_reduction, getattr(cuda.matmul, "allow_fp16_accumulation", None),
+            cudnn.enabled, cudnn.benchmark, cudnn.deterministic,
+            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled(), _setting(cuda.fp16_bf16_reduction_math_sdp_allowed),
+            _setting(lambda: tuple(torch._C._get_sdp_priority_order())),
+            torch.are_deterministic_algorithms_enabled(), cuda.preferred_blas_library())
+
+
+#: TF32 settings: the legacy flags and PyTorch's ``fp32_precision`` ones (once a process sets the
+#: new ones, reading a legacy flag raises; a version without them reads None)
+_SETTINGS = (
+    lambda: torch.backends.cuda.matmul.allow_tf32, lambda: torch.backends.cudnn.allow_tf32,
+    torch.get_float32_matmul_precision, lambda: torch.backends.fp32_precision,
+    lambda: torch.backends.cuda.matmul.fp32_precision, lambda: torch.backends.cudnn.fp32_precision,
+    lambda: torch.backends.cudnn.conv.fp32_precision, lambda: torch.backends.cudnn.rnn.fp32_precision,
+)
+
+
+def _setting(read):
+    """``read()``, or what stands in for a setting this PyTorch lacks or will not read back."""
+    try:
+        return read()
+    except (AttributeError, RuntimeError) as e:
+        return type(e).__name__

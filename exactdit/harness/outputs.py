@@ -22,6 +22,8 @@ class HarnessError(RuntimeError):
 def check_writable(out: str | Path, option: str = "--out") -> Path:
     """Refuse, before a slow run, an output folder that cannot be created or written (one line naming
     ``option``); creates nothing. Returns the folder as a Path."""
+    if not str(out).strip():
+        raise HarnessError(f"{option} is empty; name a folder (. for this one)")
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise HarnessError(f"{option} {path}: is a file, not a folder")

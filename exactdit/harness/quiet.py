@@ -7,7 +7,8 @@
 - diffusers' ``FluxPosEmbed`` FutureWarning, which diffusers' own Chroma transformer triggers;
 - where torchao is installed (``exactdit[quant]``, ``[test]``), which diffusers imports: torch's
   warning that torchao registers enums it no longer needs to, and, with a CPU build of torch only,
-  torchao's note that its CUDA extensions did not load.
+  torchao's note that its CUDA extensions did not load;
+- bitsandbytes' note, on a CPU, that it could not fetch an optional kernel from the kernels hub.
 
 Only these exact messages are dropped; every other warning of either library still shows. Nothing
 here imports diffusers or transformers (their loggers are named, not imported)."""
@@ -23,6 +24,8 @@ DROPPED = {
     "diffusers.pipelines.pipeline_utils": ("`accelerate` was not found in the environment",),
     "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+    # bitsandbytes (exactdit[quant]) on a CPU: its optional kernel hub download, which exactdit never needs
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
 }
 
 

@@ -219,18 +219,19 @@ class GraphedCall:
     # --- the call ---------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        with gate.waiting_for_kernels():  # a plain call verifies every region, so its recording has them all
-            return self._call(*args, **kwargs)
-
-    def _call(self, *args, **kwargs):
         module = self.module
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state, never, not_whole = self.watch.state()
         never = KIND.unsupported(leaves) or _records_grad(leaves) or never
-        if never is not None:
+        if never is not None:  # no graph: its regions need not wait for their kernels either
             self._describe(NOTHING, never)
             gate.count_eager(self.name, never)
             return module._call_impl(*args, **kwargs)
+        with gate.waiting_for_kernels():  # a plain call verifies every region, so its recording has them all
+            return self._call(leaves, spec, state, not_whole, args, kwargs)
+
+    def _call(self, leaves, spec, state, not_whole, args, kwargs):
+        module = self.module
         modes = graph_watch.modes()
         try:
             key = (spec, _leaf_key(leaves, KIND.align), modes, state)

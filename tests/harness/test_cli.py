@@ -768,3 +768,10 @@ def test_guidance_scale_reaches_every_models_pipeline():
         assert call.get("true_cfg_scale", call.get("guidance_scale")) == 7.0, (name, call)
     with pytest.raises(HarnessError, match="takes no guidance scale"):
         set_guidance({"prompt": "x"}, 7.0, "x")
+
+
+def test_an_empty_out_is_refused():
+    res = invoke("tiny-pipeline", "")
+    assert_clean_error(res, 1, "Error: DIR is empty; name a folder")
+    res = invoke("demo", "--steps", 1, "--device", "cpu", "--out", "")
+    assert_clean_error(res, 1, "Error: --out is empty; name a folder")

@@ -221,7 +221,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] = print) -> int:
         latent_side_by_side(image_latents(pipe, eager["latents"], height, width),
                             image_latents(pipe, patched["latents"], height, width)).save(out.path(DEMO_FILES[0]))
         args = {"model": opts.model, "config": config, "steps": opts.steps, "seed": opts.seed, "dtype": dtname,
-                "device": str(device), "guidance_scale": call.get("true_cfg_scale", call.get("guidance_scale")), "warmup": opts.warmup,
+                "device": str(device), "warmup": opts.warmup,
+                "guidance_scale": call.get("true_cfg_scale", call.get("guidance_scale")),
                 "params": n_params, "height": height, "width": width, "num_frames": frames if spec.video else None,
                 "model_config": dict(spec.config(config))}
         perf_paths = {}

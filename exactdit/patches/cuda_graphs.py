@@ -12,7 +12,8 @@ other argument by value), grad / inference / autocast mode and the library switc
 model's state a graph would freeze (the address of every parameter and buffer, the module tree,
 attention processors, every module's plain attributes: :mod:`graph_watch`). A new signature runs
 the model normally, then records it (on static buffers with the arguments' values, strides and
-alignment); later calls copy their tensors into them, replay, and return clones of the static outputs (a pipeline with true CFG keeps one output while computing the next).
+alignment); later calls copy their tensors into them, replay, and return clones of the static
+outputs (a pipeline with true CFG keeps one output while computing the next).
 Graphs of one model share one memory pool: replays are sequential, so one graph's intermediates
 are dead when the next runs.
 

@@ -534,7 +534,8 @@ def patch_transformer(model: torch.nn.Module) -> dict:
         counts[cls] = counts.get(cls, 0) + 1
     if compiled:
         warnings.warn(f"exactdit.patch: {', '.join(sorted(compiled))} blocks were compiled (compile_repeated_blocks, "
-                      "Module.compile): exactdit's engine runs them now; unpatch gives their compile back", stacklevel=3)
+                      "Module.compile): exactdit's engine runs them now; unpatch gives their compile back",
+                      stacklevel=3)
     if any(p.is_cuda for p in itertools.islice(model.parameters(), 1)) and launch.supported(torch.device("cuda")):
         compile_workers.start()  # they start up while the first call captures its blocks
     return {"patched": True, "engine": True, "modules": counts}

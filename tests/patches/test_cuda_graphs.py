@@ -848,7 +848,8 @@ def test_tf32_through_the_new_api_and_sdpa_priorities_are_switches_too(stand_in,
     tr = _toy()
     calls = [_toy_inputs(s) for s in range(2)]
     cuda = torch.backends.cuda
-    saved = (cuda.matmul.fp32_precision, torch._C._get_sdp_priority_order(), cuda.fp16_bf16_reduction_math_sdp_allowed())
+    saved = (cuda.matmul.fp32_precision, torch._C._get_sdp_priority_order(),
+             cuda.fp16_bf16_reduction_math_sdp_allowed())
     exactdit.patch(tr, cuda_graphs=True)
     try:
         _calls(tr, calls * 2)

@@ -20,8 +20,9 @@ reductions there, and a tile kernel does not pay).
 Which way runs is decided per signature by time: the kernel in each candidate tile configuration
 (:func:`tile_candidates`; no tile changes a bit) and the alternative of cuBLAS followed by a
 pointwise kernel for the epilogue (:attr:`Region.alternative`) are timed by the first call of a
-signature, and the fastest is the one the gate verifies (:mod:`exactdit.engine.runtime`). The whole path is off
-unless ``EXACTDIT_GEMM`` turns it on (:data:`CHOICE_ENV`): see BENCHMARKS.md for where it stands.
+signature, and the fastest is the one the gate verifies (:mod:`exactdit.engine.runtime`). The whole
+path is off unless ``EXACTDIT_GEMM`` turns it on (:data:`CHOICE_ENV`): see BENCHMARKS.md for where
+it stands.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ TILES_ENV = "EXACTDIT_GEMM_TILES"
 #: Where ``bench_gemm.py`` (H200) found each the fastest or within 2%: 128 x 256 with 4 stages on
 #: most Flux / Wan shapes, 3 stages on some, 256 x 128 and 128 x 128 where 128 x 256 leaves the last
 #: wave of tiles mostly empty (4608 x 3072: 432 tiles on 132 SMs, 3.27 waves).
-WIDE_TILES = (Tiles(128, 256, 64, 8, 4), Tiles(128, 256, 64, 8, 3), Tiles(256, 128, 64, 8, 3), Tiles(128, 128, 64, 8, 4))
+WIDE_TILES = (Tiles(128, 256, 64, 8, 4), Tiles(128, 256, 64, 8, 3), Tiles(256, 128, 64, 8, 3),
+              Tiles(128, 128, 64, 8, 4))
 NARROW_TILES = (Tiles(128, 128, 64, 4, 4),)
 
 

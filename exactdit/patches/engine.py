@@ -186,6 +186,9 @@ class EngineCall:
                 return compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
             return compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture whole still runs
+            if isinstance(e, torch.OutOfMemoryError):  # this call's, not the block's: eager runs it (or fails)
+                gate.count_eager(f"engine.{state.label}", OUT_OF_MEMORY)
+                return eager(*args, **kwargs)
             if type(e).__name__ == "FailOnRecompileLimitHit":
                 # one more shape than Dynamo keeps graphs for: the shapes already captured stay fused
                 self._warn_once(f"exactdit: {state.label}: {RECOMPILE_LIMIT_REASON}; raise "
@@ -211,6 +214,9 @@ class EngineCall:
             out = parts(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture still runs
             out = eager(*args, **kwargs)  # eager's own error if the call is wrong (nothing recorded)
+            if isinstance(e, torch.OutOfMemoryError):
+                gate.count_eager(f"engine.{state.label}", OUT_OF_MEMORY)
+                return out
             self._fail(f"not captured: {type(e).__name__}: {_first_line(e)}")
             return out
         if state.runs == runs:  # Dynamo gave up on every part: the call ran as Python
@@ -253,6 +259,10 @@ class EngineCall:
             self.state.warned.add(message)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+#: a block call that ran out of memory runs eager once; the block stays captured for the next
+OUT_OF_MEMORY = "out of memory in the captured call (this call ran diffusers' code)"
 
 
 def _compiled(fn, backend) -> tuple:

@@ -489,3 +489,35 @@ def test_blocks_skipped_by_a_cache_cast_none_of_their_layers():
     for o, r in zip(out, ref):
         assert_bits_equal(o, r)
     assert len(casts) == unpatched
+
+
+def test_a_block_call_that_runs_out_of_memory_runs_eager_once():
+    """An out-of-memory error in one captured call (memory another tensor held then): that call
+    runs diffusers' code, counted; the block class is not given up, the next call is captured."""
+    from exactdit.patches import engine
+
+    tr, kw = _tiny_flux((1, 1))
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    block = tr.transformer_blocks[0]
+    call = block._compiled_call_impl
+    compiled, runs = call.compiled, []
+
+    def out_of_memory_once(*args, **kwargs):
+        runs.append(1)
+        if len(runs) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return compiled(*args, **kwargs)
+
+    call.compiled = out_of_memory_once
+    try:
+        with torch.no_grad():
+            outs = [tr(**kw, return_dict=False)[0] for _ in range(2)]
+    finally:
+        exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert len(runs) == 2  # the second call went through the captured graph again
+    assert engine_eager_reasons() == {"engine.FluxTransformer2DModel.FluxTransformerBlock": {engine.OUT_OF_MEMORY: 1}}

@@ -51,8 +51,8 @@ def write_tiny_pipeline(path, seed: int = 0, force: bool = False) -> str:
         index = out / "model_index.json"
         if index.is_file():  # the earlier pipeline's components: plain names of folders in DIR only
             try:
-                old = {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list)
-                       and k not in ("", ".", "..") and Path(k).name == k and not Path(k).is_absolute()}
+                old = {k for k, v in json.loads(index.read_text()).items()
+                       if isinstance(v, list) and k not in ("", "..") and Path(k).name == k}
             except (ValueError, UnicodeDecodeError, AttributeError):
                 pass
         try:

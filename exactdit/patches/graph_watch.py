@@ -30,14 +30,17 @@ WEIGHT_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layerwise
 
 
 class _ModelWatch:
-    """What a recorded graph freezes about a model, cheap enough to check on every call: parameter
-    and buffer addresses (``.to()``, loading with ``assign``; inside tensor subclasses too), the
-    module tree (through the global registration counter), attention processors and their
-    settings (backend, IP-Adapter scale: :func:`_settings`), train/eval, and whether hooks that a graph cannot hold are set (accelerate
-    offloading, diffusers' caches and context parallelism, torch forward hooks, peft adapters
-    other than LoRA). peft's LoRA layers are watched too: what their forward reads as Python (:func:`_lora_state`) is part of the
-    state, so ``set_adapters``, fusing, disabling or deleting adapters records again; a hot-swap
-    that copies into the tensors a graph reads needs no new recording."""
+    """What a recorded graph freezes about a model, cheap enough to check on every call: the
+    addresses of parameters, buffers and tensor attributes (``.to()``, loading with ``assign``;
+    inside tensor subclasses too), the module tree (the global registration counter, and each
+    module's attribute and submodule counts: ``delattr`` fires no hook), every module's plain
+    attributes (train/eval, ``fused_projections``, a chunk size), attention processors and their
+    settings (backend, IP-Adapter scale: :func:`_settings`), and whether hooks that a graph cannot
+    hold are set (accelerate offloading, diffusers' caches and context parallelism, torch forward
+    hooks, peft adapters other than LoRA). peft's LoRA layers are watched too: what their forward
+    reads as Python (:func:`_lora_state`) is part of the state, so ``set_adapters``, fusing,
+    disabling or deleting adapters records again; a hot-swap that copies into the tensors a graph
+    reads needs no new recording."""
 
     _hooks_installed = False
 
@@ -85,7 +88,7 @@ class _ModelWatch:
         """(the model's state as a small hashable key, why no graph may be recorded or None, why
         the whole forward may not be recorded (its blocks may) or None). The key changes when
         anything a graph froze changed since the previous call."""
-        if self.generation != _registrations or self._sizes() != self.sizes:  # (a deleted submodule, a new attribute)
+        if self.generation != _registrations or self._sizes() != self.sizes:  # a deleted submodule, a new attribute
             self._rebuild()
         # C-level list builds and compares: this runs before every replay
         snapshot = ([t.data_ptr() for t in self.plain], [_addresses(t) for d in self.buffers for t in d.values()],

@@ -33,7 +33,14 @@ aten = torch.ops.aten
 def case(name: str, m: int, k: int, n: int, seed: int = 0):
     torch.manual_seed(seed)
     b = GraphBuilder()
-    x = b.input(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    if name == "cat-gated":  # the single block's proj_out: A = cat([attn, gelu(mlp)]), read as K ranges
+        attn = b.input(torch.randn(1, m, 3072, device="cuda", dtype=torch.bfloat16))
+        act = b.op(aten.gelu.default, b.input(torch.randn(1, m, k - 3072, device="cuda", dtype=torch.bfloat16)),
+                   approximate="tanh")
+        x = b.op(aten.view.default, b.op(aten.cat.default, [attn, act], -1), [m, k])
+        name = "gated"
+    else:
+        x = b.input(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     wt = b.op(aten.t.default, b.input(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5))
     y = b.op(aten.addmm.default, b.input(torch.randn(n, device="cuda", dtype=torch.bfloat16)), x, wt)
     if name == "gelu":
@@ -46,6 +53,19 @@ def case(name: str, m: int, k: int, n: int, seed: int = 0):
         out = [b.op(aten.add.Tensor, b.input(torch.randn(1, m, n, device="cuda", dtype=torch.bfloat16)),
                     b.op(aten.mul.Tensor, gate, y3))]
     return b.module(*out), b.inputs
+
+
+def node_values(gm, inputs) -> dict:
+    """Every node's value in a run of ``gm``, by node name."""
+    values = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n.name] = super().run_node(n)
+            return values[n.name]
+
+    Recorder(gm).run(*inputs)
+    return values
 
 
 def back_to_back(fn, inputs) -> dict:
@@ -62,7 +82,8 @@ def back_to_back(fn, inputs) -> dict:
 
 
 CASES = [("gated", 4096, 3072, 3072), ("gelu", 4608, 3072, 12288), ("gated", 4096, 12288, 3072),
-         ("gated", 4608, 15360, 3072), ("gelu", 14040, 5120, 13824), ("cast", 4096, 3072, 9216)]
+         ("gated", 4608, 15360, 3072), ("cat-gated", 4608, 15360, 3072), ("gelu", 14040, 5120, 13824),
+         ("cast", 4096, 3072, 9216)]
 
 
 def main() -> None:
@@ -84,6 +105,7 @@ def main() -> None:
             gm, inputs = case(name, m, k, n)
             with torch.no_grad():
                 ref = gm(*inputs)
+                values = node_values(gm, inputs)  # (a region's inputs, for --energy)
                 rewrite(gm, f"bench-{name}-{m}x{k}x{n}-{tiles}")  # a new label: the gate keys ops by name
                 try:
                     out = gm(*inputs)
@@ -104,8 +126,9 @@ def main() -> None:
                                      us=t_fused, split_us=t_split, ratio=t_split / t_fused, chosen=fused == way,
                                      ratio_kind="cublas+epilogue_us/fused_us", equal=equal, **env))
             if args.energy:
-                for op in ops:
-                    measured = {way: back_to_back(fn, inputs) for way, fn in op.gemm_ways(*inputs).items()}
+                for op in (op for op in ops if op.region.kind == "gemm"):
+                    args = [values[n.name] for n in op.region.inputs]
+                    measured = {way: back_to_back(fn, args) for way, fn in op.gemm_ways(*args).items()}
                     print(f"{tiles} {name} {m}x{k}x{n} back to back: {measured}", flush=True)
                     rows.append(dict(model_or_op=f"gemm+{name}", shape=f"{m}x{k}x{n}", dtype="bf16",
                                      path=f"fused {tiles}, back to back", back_to_back=measured, equal=equal, **env))

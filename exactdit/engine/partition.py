@@ -23,6 +23,7 @@ from exactdit import first_calls
 from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
+from exactdit.engine.templates import gemm as gemm_template
 from exactdit.engine.templates import generate, reduction_kind, why_not_reduction
 
 #: how many times the grouping is redone after setting nodes aside
@@ -93,12 +94,14 @@ class _Group:
     external: int  # producers outside the group
     reductions: int
     split_cat: fx.Node | None = None
-    #: the GEMM whose output tile the group's kernel computes (it takes no node the GEMM reads)
+    #: the GEMM whose output tile the group's kernel computes (it takes no node the GEMM reads,
+    #: but its prologue: the cat along K the kernel reads piece by piece, see templates.gemm)
     gemm: fx.Node | None = None
+    prologue: tuple[fx.Node, ...] = ()
 
 
 class _Grouper:
-    def __init__(self, graph: fx.Graph, candidates: set[fx.Node]):
+    def __init__(self, graph: fx.Graph, candidates: set[fx.Node], apart_from_gemms: frozenset = frozenset()):
         self.order = list(graph.nodes)
         self.graph_outputs = set(next(n for n in self.order if n.op == "output").all_input_nodes)
         self.pos = {n: i for i, n in enumerate(self.order)}
@@ -109,6 +112,17 @@ class _Grouper:
                 m |= self.anc[p] | (1 << self.pos[p])
             self.anc[n] = m
         self.candidates = candidates
+        #: nodes that join no GEMM's group (see :func:`_wide_outputs`)
+        self.apart_from_gemms = apart_from_gemms
+        #: nodes a GEMM's kernel reads as its A's K ranges (a cat and its view), by GEMM: they
+        #: join no other group
+        self.prologues: dict[fx.Node, tuple[fx.Node, ...]] = {}
+        for n in self.order:
+            if n in candidates and reduction_kind(n) == "gemm":
+                found = gemm_template.a_pieces(n)
+                if found is not None and all(p in candidates for p in found[0]):
+                    self.prologues[n] = tuple(found[0])
+        self.in_prologue = {p for chain in self.prologues.values() for p in chain}
 
     def _convex(self, mask: int, external: int) -> bool:
         e = external & ~mask
@@ -163,7 +177,7 @@ class _Grouper:
         group_of: dict[fx.Node, _Group] = {}
         groups: list[_Group] = []
         for v in self.order:
-            if v not in self.candidates:
+            if v not in self.candidates or v in self.in_prologue:
                 continue
             bit = 1 << self.pos[v]
             prod_bits = 0
@@ -171,9 +185,12 @@ class _Grouper:
                 prod_bits |= 1 << self.pos[p]
             is_red = 1 if reduction_kind(v) is not None else 0
             if is_red and reduction_kind(v) == "gemm":  # starts its own group: its inputs come from memory
-                g = _Group([v], bit, prod_bits, 1, gemm=v)
+                chain = self.prologues.get(v, ())
+                mask, ext = self._bits([*chain, v])
+                g = _Group([*chain, v], mask, ext, 1, gemm=v, prologue=chain)
                 groups.append(g)
-                group_of[v] = g
+                for n in g.nodes:
+                    group_of[n] = g
                 continue
             # a smaller operand (a broadcast table or modulation vector) does not pull its consumer into
             # its group when a full-size operand's group can take it, unless nothing else uses it: two
@@ -187,7 +204,7 @@ class _Grouper:
             near = []
             for p in full or producers:
                 g = group_of[p]
-                if all(g is not h for h in near):
+                if all(g is not h for h in near) and not (g.gemm is not None and v in self.apart_from_gemms):
                     near.append(g)
             choice = None
             options = [near] + [[g] for g in sorted(near, key=lambda g: -len(g.nodes))] if near else []
@@ -199,8 +216,9 @@ class _Grouper:
                     mask |= g.mask
                     ext |= g.external
                     reds += g.reductions
-                gemms = [g.gemm for g in option if g.gemm is not None]
-                if len(gemms) > 1 or (gemms and self.anc[gemms[0]] & mask):
+                gemm_groups = [g for g in option if g.gemm is not None]
+                if len(gemm_groups) > 1 or (gemm_groups and self.anc[gemm_groups[0].gemm] & mask
+                                            & ~self._bits(gemm_groups[0].prologue)[0]):
                     continue  # a GEMM's kernel computes nothing its own operands are made of
                 splits = [g.split_cat for g in option if g.split_cat is not None]
                 split = _split_cat(v, option) if reds > 1 and not splits else None
@@ -225,6 +243,7 @@ class _Grouper:
                 g.nodes.append(v)
                 g.mask, g.external, g.reductions = mask, ext, reds
                 g.gemm = next((o.gemm for o in option if o.gemm is not None), None)
+                g.prologue = next((o.prologue for o in option if o.gemm is not None), ())
                 g.split_cat = g.split_cat or split or next((o.split_cat for o in option if o.split_cat), None)
                 for n in g.nodes:
                     group_of[n] = g
@@ -328,11 +347,24 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     return region, set(), None
 
 
+def _wide_outputs(g: _Group, outputs_of_graph: set[fx.Node]) -> set[fx.Node]:
+    """The values a GEMM's group would write wider than the GEMM's own output (a cast to fp32 for
+    the norm after a projection): its consumer can widen the GEMM's output where it reads it, so
+    writing them wide only moves more bytes. They join no GEMM's group."""
+    if g.gemm is None:
+        return set()
+    members = set(g.nodes)
+    size = g.gemm.meta["val"].element_size()
+    return {n for n in g.nodes if n is not g.gemm and isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].element_size() > size
+            and (n in outputs_of_graph or any(u not in members for u in _users(n)))}
+
+
 def _epilogue_region(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> Region | None:
     """The GEMM region's nodes but its GEMM, as a pointwise region that reads the GEMM's output
     (cuBLAS then this kernel: the alternative the runtime times the fused kernel against), or
     None where that is not a region of its own (a single kernel)."""
-    rest = [n for n in g.nodes if n is not g.gemm]
+    rest = [n for n in g.nodes if n is not g.gemm and n not in g.prologue]
     sub = _Group(rest, 0, 0, 0)  # (masks are the grouper's business; a region needs the nodes only)
     region, _, _ = _region_from_group(sub, name + ".epilogue", outputs_of_graph)
     return region
@@ -351,11 +383,17 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
         elif _is_compute(n):
             reasons[n] = why
     banned: set[fx.Node] = set()
+    apart: set[fx.Node] = set()
     regions: list[Region] = []
     for _ in range(MAX_ROUNDS):
-        grouper = _Grouper(graph, candidates - banned)
+        grouper = _Grouper(graph, candidates - banned, frozenset(apart))
         regions, new_bans = [], set()
         for g in grouper.groups():
+            wide = _wide_outputs(g, graph_outputs)
+            if wide:  # grouped again without them
+                apart |= wide
+                new_bans.add(None)
+                continue
             region, bans, why = _region_from_group(g, f"{prefix}.r{len(regions)}", graph_outputs)
             new_bans |= bans
             if region is not None:
@@ -366,11 +404,11 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
                         reasons.setdefault(n, why)
         if not new_bans:
             break
-        banned |= new_bans
+        banned |= new_bans - {None}
     # nodes set aside for another group's sake (e.g. a value of another size than that group's
     # domain: CogVideoX's gated residuals before the norm of their cat) can still form regions of
     # their own, which the first regions then read from memory (convex groups: no cycles)
-    for g in _Grouper(graph, (candidates & banned) - {n for r in regions for n in r.nodes}).groups():
+    for g in _Grouper(graph, (candidates & banned) - {n for r in regions for n in r.nodes}, frozenset(apart)).groups():
         region, _, _ = _region_from_group(g, f"{prefix}.r{len(regions)}", graph_outputs)
         if region is not None:
             regions.append(region)

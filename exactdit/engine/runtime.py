@@ -164,11 +164,14 @@ class RegionOp:
         return any(compile_workers.compiling(fn) for fn, _ in self.kernels())
 
     def _split(self, *inputs, poisoned=False):
-        """The GEMM by ATen (cuBLAS), then the epilogue's own region (or its ATen nodes)."""
+        """The GEMM by ATen (cuBLAS, after ATen's cat where the kernel reads A's K ranges from
+        the cat's pieces), then the epilogue's own region (or its ATen nodes)."""
         if self._alternative is None:
             return self._reference(*inputs)
         env = dict(zip(self.region.inputs, inputs))
         mm = self.region.anchor
+        for n in (gemm.prologue(self.region) or ((),))[0]:  # a cat the kernel reads as K ranges: ATen's
+            env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__), **fx.node.map_arg(n.kwargs, env.__getitem__))
         env[mm] = mm.target(*fx.node.map_arg(mm.args, env.__getitem__), **fx.node.map_arg(mm.kwargs, env.__getitem__))
         alt = self._alternative.region
         env.update(zip(alt.outputs, self._alternative(*[env[n] for n in alt.inputs])))

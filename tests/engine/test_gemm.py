@@ -202,3 +202,99 @@ def test_fused_gemms_are_off_by_default(monkeypatch):
     assert all(r.region.kind != "gemm" for r in _regions(gm))
     assert any("are off" in why for why in report.gemms_left), report.lines()
     assert_bits_equal(out[0], ref[0])
+
+
+def _cat_then_linear(k0, k1, *, m=130, n=200, batch=2, permuted=True, cat_read_too=False):
+    """The single block's ``proj_out(cat([attn, act(mlp)], -1))`` with its gated residual: the
+    first piece a head-merging view of an attention-like output (rows adjacent when
+    ``permuted``), the second computed by a pointwise chain (integers stay integers)."""
+    b = GraphBuilder()
+    s = m // batch
+    if permuted:  # [B, S, H, D] in memory, seen as [B, H, S, D] and back: a view that merges
+        heads = b.op(aten.permute.default, b.input(_ints((batch, s, 2, k0 // 2), 4, 3)), [0, 2, 1, 3])
+        attn = b.op(aten.view.default, b.op(aten.transpose.int, heads, 1, 2), [batch, s, k0])
+    else:
+        attn = b.input(_ints((batch, s, k0), 4, 3))
+    mlp = b.input(_ints((batch, s, k1), 3, 4))
+    act = b.op(aten.mul.Tensor, b.op(aten.add.Tensor, mlp, 1), 2)
+    cat = b.op(aten.cat.default, [attn, act], -1)
+    rows = b.op(aten.view.default, cat, [m, k0 + k1])
+    w = b.input(_ints((n, k0 + k1), 4, 5))
+    y = b.op(aten.addmm.default, b.input(torch.randn(n).bfloat16()), rows, b.op(aten.t.default, w))
+    y3 = b.op(aten.view.default, y, [batch, s, n])
+    out = b.op(aten.add.Tensor, b.input(torch.randn(batch, s, n).bfloat16()),
+               b.op(aten.mul.Tensor, b.input(torch.randn(batch, 1, n).bfloat16()), y3))
+    if cat_read_too:
+        return b.module(out, b.op(aten.sum.default, cat)), b.inputs, cat
+    return b.module(out), b.inputs, cat
+
+
+@pytest.mark.parametrize("k1", [128, 96])  # the last piece: whole k-tiles, or a tail the descriptor pads
+def test_a_cat_along_k_is_read_piece_by_piece(k1):
+    """No cat is written: the GEMM's kernel reads each piece as the K range it fills, in order."""
+    gm, inputs, cat = _cat_then_linear(64, k1)
+    ref, out, report = _run(gm, inputs)
+    (op,) = [r for r in _regions(gm) if r.region.kind == "gemm"]
+    assert cat in op.region.nodes and gemm.prologue(op.region) is not None, report.lines()
+    assert all(cat not in r.region.nodes for r in _regions(gm) if r is not op)
+    assert "cat" not in report.left, report.lines()
+    assert_bits_equal(out[0], ref[0], "cat read as K ranges")
+    args = [gm.meta["values"][n.name] for n in op.region.inputs]
+    with trusted(), torch.no_grad():
+        for name, fn in op.gemm_ways(*args).items():  # ATen's cat then cuBLAS, and each tile
+            assert_bits_equal(fn(*args)[0], ref[0], name)
+    pieces = [p for p, _, _ in gemm.prologue(op.region)[1]]
+    assert gemm.layout_problem(op.region, args) is None
+    first = op.region.inputs.index(pieces[0])
+    # the same values with rows that do not merge (a batch stride that is not rows x row stride)
+    spread = torch.zeros(args[first].shape[0], args[first].shape[1] + 1, args[first].shape[2]).bfloat16()
+    spread[:, :-1] = args[first]
+    args[first] = spread[:, :-1]
+    assert "layout" in gemm.layout_problem(op.region, args)
+
+
+def test_a_cat_piece_that_splits_a_k_tile_is_written_as_a_cat():
+    """A first piece of 96 columns would end inside a 64-wide k-tile: the cat is written (by the
+    pointwise region of its second piece) and the GEMM reads it."""
+    gm, inputs, cat = _cat_then_linear(96, 64, permuted=False)
+    ref, out, report = _run(gm, inputs)
+    gemms = [r for r in _regions(gm) if r.region.kind == "gemm"]
+    assert gemms and all(gemm.prologue(r.region) is None and cat not in r.region.nodes for r in gemms)
+    assert_bits_equal(out[0], ref[0])
+
+
+def test_a_cat_read_elsewhere_too_is_written():
+    """A cat another op also reads must exist in memory: it is no prologue."""
+    gm, inputs, cat = _cat_then_linear(64, 64, permuted=False, cat_read_too=True)
+    assert gemm.a_pieces(next(n for n in gm.graph.nodes if n.target is aten.addmm.default)) is None
+    ref, out, report = _run(gm, inputs)
+    for o, r in zip(out, ref):
+        assert_bits_equal(o, r)
+
+
+def _linear_in_fp32(narrow_again: bool):
+    """A projection widened to fp32: for a norm after it (written wide: ``narrow_again`` False),
+    or for Wan's fp32 gated residual, cast back before it is written (True)."""
+    b = GraphBuilder()
+    x, w = b.input(_ints((128, 64), 4, 1)), b.input(_ints((64, 64), 4, 2))
+    y = b.op(aten.mm.default, x, b.op(aten.t.default, w))
+    wide = b.op(aten._to_copy.default, y, dtype=torch.float32)
+    z = b.op(aten.add.Tensor, b.input(torch.randn(128, 64)), b.op(aten.mul.Tensor, wide, b.input(torch.randn(64))))
+    if narrow_again:
+        z = b.op(aten._to_copy.default, z, dtype=torch.bfloat16)
+    return b.module(z), b.inputs, wide
+
+
+@pytest.mark.parametrize("narrow_again", [False, True])
+def test_an_epilogue_writes_nothing_wider_than_its_gemm(narrow_again):
+    """Writing the fp32 cast of a bf16 GEMM's output moves twice the bytes its reader needs: that
+    cast stays out of the GEMM's region (its reader widens where it loads); a widening that the
+    epilogue narrows again before writing stays in."""
+    gm, inputs, wide = _linear_in_fp32(narrow_again)
+    ref, out, report = _run(gm, inputs)
+    regions = [r.region for r in _regions(gm)]
+    in_gemm = any(r.kind == "gemm" and wide in r.nodes for r in regions)
+    assert in_gemm == narrow_again, report.lines()
+    assert any(wide in r.nodes for r in regions), report.lines()  # fused either way
+    assert all(o.dtype.itemsize <= 2 for r in regions if r.kind == "gemm" for o in (n.meta["val"] for n in r.outputs))
+    assert_bits_equal(out[0], ref[0])

@@ -114,3 +114,29 @@ def test_tiny_models_with_fused_gemms_equal_eager(name, size, monkeypatch):
     assert_patched_equals_eager(tr, kw, models.run_forward)
     gemm_regions = [d for g in coverage.graphs() for d, _ in g.regions.values() if d.startswith("gemm[")]
     assert gemm_regions, [line for g in coverage.graphs() for line in g.lines()]
+
+
+CAT_SHAPES = [(4608, 3072, 12288, 3072), (4160, 64, 200, 1000), (1024, 3072, 3072, 3072)]
+
+
+@pytest.mark.parametrize("way", ["fused", "split"])
+@pytest.mark.parametrize("m,k0,k1,n", CAT_SHAPES, ids=[f"{m}x({a}+{b})x{n}" for m, a, b, n in CAT_SHAPES])
+def test_a_cat_along_k_read_as_k_ranges_equals_eager(m, k0, k1, n, way, monkeypatch):
+    """The single block's ``proj_out(cat([attn, gelu(mlp)], -1))`` with its gated residual: the
+    kernel reads the pieces where they lie (the attention output through its head-merging view)."""
+    monkeypatch.setenv(gemm.CHOICE_ENV, way)
+    torch.manual_seed(0)
+    b = GraphBuilder()
+    heads = b.input(torch.randn(1, m, 2, k0 // 2, device="cuda", dtype=torch.bfloat16))
+    attn = b.op(aten.view.default, b.op(aten.transpose.int, b.op(aten.permute.default, heads, [0, 2, 1, 3]), 1, 2),
+                [1, m, k0])
+    act = b.op(aten.gelu.default, b.input(torch.randn(1, m, k1, device="cuda", dtype=torch.bfloat16)),
+               approximate="tanh")
+    rows = b.op(aten.view.default, b.op(aten.cat.default, [attn, act], -1), [m, k0 + k1])
+    w = b.input(torch.randn(n, k0 + k1, device="cuda", dtype=torch.bfloat16) * (k0 + k1) ** -0.5)
+    y = b.op(aten.addmm.default, b.input(torch.randn(n, device="cuda", dtype=torch.bfloat16)), rows,
+             b.op(aten.t.default, w))
+    gm = b.module(*_gated(b, y, m, n, torch.bfloat16))
+    rewrite_and_check_against_eager(gm, b.inputs, f"gemm-cat-{m}x{k0}+{k1}x{n}")
+    fused = [n.target.exactdit_region.region for n in gm.graph.nodes if hasattr(n.target, "exactdit_region")]
+    assert any(r.kind == "gemm" and gemm.prologue(r) is not None for r in fused)

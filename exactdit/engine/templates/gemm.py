@@ -11,6 +11,11 @@ What the kernel computes, as eager does:
   cuBLAS's own output, and one that differs (another algorithm at small M, split-K) runs cuBLAS.
 * the epilogue: the region's other nodes, emitted by their rules at each element of the output
   tile, exactly as in a pointwise region (per-op roundings, no FMA, tables).
+* a prologue of one kind: where A is a ``cat`` along K (the single block's ``cat([attn,
+  mlp_act], -1)`` before ``proj_out``) that only this GEMM reads, the kernel reads each piece
+  where it lies, as the K range it fills, and no cat is written (:func:`a_pieces`). The k-tiles
+  are the same as over the cat, in the same order, because every piece but the last spans whole
+  k-tiles: the same bits by construction.
 
 A and B are read by TMA (tensor descriptors made in the kernel), tiles visited by a persistent
 grid; outputs are stored through their strides. fp32 GEMMs are left to cuBLAS (its TF32 settings
@@ -77,6 +82,68 @@ def b_layout(b: torch.Tensor) -> str | None:
     if b.stride(1) == 1:
         return "kn"
     return None
+
+
+#: the k-tile every candidate configuration uses: a cat piece read as a K range (all but the last)
+#: must span whole k-tiles of it, or the kernel's k-tiles would not be the cat's
+K_STEP = 64
+_ROW_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def rows_of(t: torch.Tensor) -> int | None:
+    """The row stride of ``t`` read as a matrix [rows of all leading dims, last dim] with the
+    last dim contiguous, or None where its leading dims do not merge into one row stride."""
+    if t.dim() < 2 or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return None
+    row = t.stride(-2)
+    for d in range(t.dim() - 3, -1, -1):
+        if t.shape[d] != 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+            return None
+    return row
+
+
+def a_pieces(node: fx.Node) -> tuple[list[fx.Node], list[tuple[fx.Node, int, int]]] | None:
+    """Where the GEMM ``node``'s A is a ``cat`` along its last dim (K), seen through a view that
+    merges its leading dims into rows, and nothing else reads the cat or the view: (those
+    nodes, [(piece, k start, k size)]); else None. Each piece must be readable by TMA as its
+    own [M, k size] matrix, and every piece but the last must span whole k-tiles."""
+    a = operands(node)[0]
+    chain = []
+    if isinstance(a, fx.Node) and a.target in _ROW_VIEWS:
+        chain.append(a)
+        a = a.args[0]
+    if not isinstance(a, fx.Node) or a.target is not aten.cat.default:
+        return None
+    chain.insert(0, a)
+    a_val, cat_val = _val(operands(node)[0]), _val(a)
+    if a_val is None or cat_val is None or cat_val.shape[-1] != a_val.shape[-1]:
+        return None
+    rank = cat_val.dim()
+    dim = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim", 0)
+    if rank < 2 or (dim + rank if dim < 0 else dim) != rank - 1:
+        return None
+    if any(len(n.users) != 1 for n in chain) or next(iter(chain[-1].users)) is not node:
+        return None
+    pieces, start = [], 0
+    for t in a.args[0]:
+        v = _val(t)
+        if v is None or v.dtype != a_val.dtype or tuple(v.shape[:-1]) != tuple(cat_val.shape[:-1]):
+            return None
+        if v.shape[-1]:
+            row = rows_of(v)
+            if row is None or (row * v.element_size()) % 16 or v.shape[-1] * v.element_size() < 16:
+                return None
+            pieces.append((t, start, int(v.shape[-1])))
+        start += int(v.shape[-1])
+    if len(pieces) < 2 or any(size % K_STEP for _, _, size in pieces[:-1]):
+        return None
+    return chain, pieces
+
+
+def prologue(region: Region) -> tuple[list[fx.Node], list[tuple[fx.Node, int, int]]] | None:
+    """The region's K-range prologue (:func:`a_pieces`), where the partition put it in the region."""
+    found = a_pieces(region.anchor)
+    return found if found is not None and found[0][0] in region.nodes else None
 
 
 def why_not_gemm(node: fx.Node) -> str | None:
@@ -183,27 +250,36 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
     tile = Tile((Ix.of(Atom("rows", m, False)), Ix.of(Atom("cols", n, True))), "[BM, BN]", "[BM, 1]", "mask",
                 "row_ok", whole_rows=False, aligned_columns=cfg.bn)
     em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces={}, tables=slots)
-    a_op, b_op = em.input_operand(a_node), em.input_operand(b_node)
-    if a_op.wide or b_op.wide:
+    # A: one matrix, or the pieces of a cat along K, each read as the K range it fills
+    found = prologue(region)
+    k_ranges = [(a_node, 0, k)] if found is None else found[1]
+    if any(start % cfg.bk for _, start, _ in k_ranges):
+        raise Unfusable(f"a cat piece that does not start a {cfg.bk}-wide k-tile", mm)
+    a_ops = [em.input_operand(piece) for piece, _, _ in k_ranges]
+    b_op = em.input_operand(b_node)
+    if b_op.wide or any(op.wide for op in a_ops):
         raise Unfusable("GEMM operands of 2^31 elements or more", mm)
-    code.line(f"a_desc = tl.make_tensor_descriptor({a_op.ptr}, shape=[{m}, {k}], strides=[{a_op.strides[0]}, 1], "
-              "block_shape=[BM, BK])")
+    for i, ((_, _, size), op) in enumerate(zip(k_ranges, a_ops)):
+        code.line(f"a{i}_desc = tl.make_tensor_descriptor({op.ptr}, shape=[{m}, {size}], strides=[{op.strides[-2]}, 1], "
+                  "block_shape=[BM, BK])")
     if layout == "nk":
         code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{n}, {k}], strides=[{b_op.strides[1]}, 1], "
                   "block_shape=[BN, BK])")
-        b_tile = "b_desc.load([on, ki * BK]).T"
+        b_tile = "b_desc.load([on, {k}]).T"
     else:
         code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{k}, {n}], strides=[{b_op.strides[0]}, 1], "
                   "block_shape=[BK, BN])")
-        b_tile = "b_desc.load([ki * BK, on])"
+        b_tile = "b_desc.load([{k}, on])"
     pid_m, pid_n = -(-m // cfg.bm), -(-n // cfg.bn)
     code.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True):")
     body.line(f"pid_m, pid_n = gemm_k.tile_of(tile_id, {pid_m}, {pid_n}, GROUP_M)")
     body.line("om = pid_m * BM")
     body.line("on = pid_n * BN")
     body.line("acc = tl.zeros((BM, BN), dtype=tl.float32)")
-    body.line(f"for ki in range({-(-k // cfg.bk)}):")
-    body.line(f"    acc = gemm_k.mma(a_desc.load([om, ki * BK]), {b_tile}, acc)")
+    for i, (_, start, size) in enumerate(k_ranges):  # K in order: each range's k-tiles in turn
+        body.line(f"for ki in range({-(-size // cfg.bk)}):")
+        k_at = f"{start} + ki * BK" if start else "ki * BK"
+        body.line(f"    acc = gemm_k.mma(a{i}_desc.load([om, ki * BK]), {b_tile.format(k=k_at)}, acc)")
     body.line("rows = om + tl.arange(0, BM)[:, None]")
     body.line("cols = on + tl.arange(0, BN)[None, :]")
     body.line(f"row_ok = rows < {row_int(m)}")
@@ -242,11 +318,15 @@ def layout_problem(region: Region, inputs) -> str | None:
     mm = region.anchor
     a_node, b_node, _ = operands(mm)
     position = {n: i for i, n in enumerate(region.inputs)}
-    a, b = inputs[position[a_node]], inputs[position[b_node]]
+    found = prologue(region)
+    a_parts = [inputs[position[a_node]]] if found is None else [inputs[position[p]] for p, _, _ in found[1]]
+    b = inputs[position[b_node]]
     want = b_layout(_val(b_node))
-    esize = a.element_size()
-    if a.stride(1) != 1 or b_layout(b) != want or a.data_ptr() % 16 or b.data_ptr() % 16 \
-            or (a.stride(0) * esize) % 16 or ((b.stride(1) if want == "nk" else b.stride(0)) * esize) % 16:
+    esize = b.element_size()
+    rows = [rows_of(a) for a in a_parts]
+    if any(r is None or (r * esize) % 16 or a.data_ptr() % 16 for r, a in zip(rows, a_parts)) \
+            or b_layout(b) != want or b.data_ptr() % 16 \
+            or ((b.stride(1) if want == "nk" else b.stride(0)) * esize) % 16:
         return "GEMM operands not in the layout the kernel was built for (contiguous, 16-byte aligned rows)"
     return None
 

@@ -5,7 +5,7 @@ runs each way back to back for two seconds: its time per call, SM clock, board p
 call (NVML). At the 700 W cap a forward's GEMMs run power-limited, so a fused kernel that is faster
 alone but spends more energy per call loses inside the forward: this is the number that says which.
 
-    python3 benchmarks/kernels/bench_gemm.py [--tiles 128,256,64,8,3 128,128,64,8,4 ...] [--energy]
+    python3 benchmarks/kernels/bench_gemm.py [--tiles 128,256,64,8,3 128,128,64,4,3,2 ...] [--energy]
 
 By default each case's candidate tile configurations (``gemm.tile_candidates``) are timed in turn
 with cuBLAS in one pass, as the runtime's choice times them.
@@ -89,7 +89,8 @@ CASES = [("gated", 4096, 3072, 3072), ("gelu", 4608, 3072, 12288), ("gated", 409
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", nargs="*", default=[],
-                    help="BM,BN,BK,WARPS,STAGES: one pass per configuration forced (EXACTDIT_GEMM_TILES); by "
+                    help="BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]: one pass per configuration forced "
+                         "(EXACTDIT_GEMM_TILES); by "
                          "default one pass where the runtime times every candidate configuration against cuBLAS")
     ap.add_argument("--energy", action="store_true", help="also time, clock and energy of each way back to back")
     args = ap.parse_args()

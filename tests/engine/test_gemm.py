@@ -298,3 +298,25 @@ def test_an_epilogue_writes_nothing_wider_than_its_gemm(narrow_again):
     assert any(wide in r.nodes for r in regions), report.lines()  # fused either way
     assert all(o.dtype.itemsize <= 2 for r in regions if r.kind == "gemm" for o in (n.meta["val"] for n in r.outputs))
     assert_bits_equal(out[0], ref[0])
+
+
+@pytest.mark.parametrize("spec", ["128,128,64,4,3,2", "128,256,64,8,4,1,1", "64,128,64,4,3"])
+def test_a_forced_tile_configuration_is_the_one_built(spec, monkeypatch):
+    """``EXACTDIT_GEMM_TILES`` (what bench_gemm.py --tiles sweeps): two programs per
+    multiprocessor, warp specialisation; each gives eager's bits (no tile changes a bit)."""
+    tiles = gemm.Tiles.parse(spec)
+    assert gemm.Tiles.parse(tiles.spec) == tiles
+    monkeypatch.setenv(gemm.TILES_ENV, spec)
+    gm, inputs = _gated_linear(130, 64, 200)
+    ref, out, _ = _run(gm, inputs)
+    (op,) = _regions(gm)
+    kernel = op.region.kernels[0]
+    assert ("warp_specialize=True" in kernel.source) == tiles.ws
+    tile_count = -(-130 // tiles.bm) * -(-200 // tiles.bn)
+    assert kernel.grid[0] == dict(kernel.constexprs)["PROGRAMS"] == min(4 * tiles.per_sm, tile_count)
+    assert_bits_equal(out[0], ref[0], tiles.label)
+
+
+def test_a_malformed_tile_configuration_is_a_clear_error():
+    with pytest.raises(ValueError, match="BM,BN,BK,WARPS,STAGES"):
+        gemm.Tiles.parse("128,128")

@@ -93,12 +93,16 @@ def test_a_way_that_raises_is_not_chosen(monkeypatch):
     assert way == "split" and set(times) == {"fused slow", "split"}
 
 
-@pytest.mark.parametrize("tiles", gemm.WIDE_TILES + gemm.NARROW_TILES, ids=lambda t: t.label)
+#: configurations ``bench_gemm.py --tiles`` is to try next (not candidates yet)
+TRIAL_TILES = (gemm.Tiles(128, 128, 64, 4, 3, per_sm=2), gemm.Tiles(128, 256, 64, 8, 4, ws=True))
+
+
+@pytest.mark.parametrize("tiles", gemm.WIDE_TILES + gemm.NARROW_TILES + TRIAL_TILES, ids=lambda t: t.label)
 def test_every_candidate_tile_configuration_equals_eager(tiles, monkeypatch):
     """Each configuration the runtime may time and choose, forced, at an odd shape (partial tiles
     on both sides) with a gated epilogue."""
     monkeypatch.setenv(gemm.CHOICE_ENV, "fused")
-    monkeypatch.setenv(gemm.TILES_ENV, f"{tiles.bm},{tiles.bn},{tiles.bk},{tiles.warps},{tiles.stages}")
+    monkeypatch.setenv(gemm.TILES_ENV, tiles.spec)
     gm, inputs = _linear_then(4160, 3072, 3000, torch.bfloat16, bias=True, epilogue=_gated)
     rewrite_and_check_against_eager(gm, inputs, f"gemm-tiles-{tiles.label}")
 

@@ -193,13 +193,34 @@ class Tiles:
     warps: int
     stages: int
     group_m: int = 8
+    #: persistent programs per multiprocessor: with two (small enough tiles), one program's
+    #: epilogue runs while the other's main loop does
+    per_sm: int = 1
+    #: Triton's warp specialisation of the tile loop (loads in their own warps)
+    ws: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}w/{self.stages}s"
+        extra = (f"/{self.per_sm}perSM" if self.per_sm != 1 else "") + ("/ws" if self.ws else "")
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}w/{self.stages}s{extra}"
+
+    @property
+    def spec(self) -> str:
+        """The configuration as :data:`TILES_ENV` and ``bench_gemm.py --tiles`` take it."""
+        return f"{self.bm},{self.bn},{self.bk},{self.warps},{self.stages},{self.per_sm},{int(self.ws)}"
+
+    @staticmethod
+    def parse(spec: str) -> "Tiles":
+        """``BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]``."""
+        values = [int(v) for v in spec.split(",")]
+        if not 5 <= len(values) <= 7:
+            raise ValueError(f"{TILES_ENV}={spec!r}: expected BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]")
+        bm, bn, bk, warps, stages, *rest = values
+        return Tiles(bm, bn, bk, warps, stages, per_sm=rest[0] if rest else 1, ws=bool(rest[1]) if len(rest) > 1 else False)
 
 
-#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES`` replaces :func:`tile_candidates` (tile sweeps)
+#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]`` replaces :func:`tile_candidates`
+#: (tile sweeps: :attr:`Tiles.spec`)
 TILES_ENV = "EXACTDIT_GEMM_TILES"
 #: Where ``bench_gemm.py`` (H200) found each the fastest or within 2%: 128 x 256 with 4 stages on
 #: most Flux / Wan shapes, 3 stages on some, 256 x 128 and 128 x 128 where 128 x 256 leaves the last
@@ -214,7 +235,7 @@ def tile_candidates(m: int, n: int, k: int) -> tuple[Tiles, ...]:
     signature runs when it is not timed: the interpreter, ``EXACTDIT_GEMM=fused``)."""
     forced = os.environ.get(TILES_ENV)
     if forced:
-        return (Tiles(*(int(v) for v in forced.split(","))),)
+        return (Tiles.parse(forced),)
     return NARROW_TILES if n <= 128 else WIDE_TILES
 
 
@@ -223,11 +244,11 @@ def _programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def programs_for(device: torch.device, tiles: int) -> int:
-    """Persistent programs: one per multiprocessor (4 in the interpreter), at most one per tile."""
+def programs_for(device: torch.device, tiles: int, per_sm: int = 1) -> int:
+    """Persistent programs: ``per_sm`` per multiprocessor (4 in the interpreter), at most one per tile."""
     sms = _programs(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    return max(1, min(sms, tiles))
+    return max(1, min(sms * per_sm, tiles))
 
 
 def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> GeneratedKernel:
@@ -271,7 +292,8 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
                   "block_shape=[BK, BN])")
         b_tile = "b_desc.load([{k}, on])"
     pid_m, pid_n = -(-m // cfg.bm), -(-n // cfg.bn)
-    code.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True):")
+    code.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True"
+              f"{', warp_specialize=True' if cfg.ws else ''}):")
     body.line(f"pid_m, pid_n = gemm_k.tile_of(tile_id, {pid_m}, {pid_n}, GROUP_M)")
     body.line("om = pid_m * BM")
     body.line("on = pid_n * BN")
@@ -295,7 +317,7 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
     em.stats[mm] = {"index": tile.domain, "y": em.rounded(acc, dtype_of(mm), FULL)}
     _store_outputs(em, region, launch, tile.domain, outs)
     code.extend(body)
-    programs = programs_for(a.device, pid_m * pid_n)
+    programs = programs_for(a.device, pid_m * pid_n, cfg.per_sm)
     kernel = _kernel(region, loads, code, {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m,
                                              "PROGRAMS": programs}, (programs,), cfg.warps)
     return dataclasses.replace(kernel, launch_options=(("num_stages", cfg.stages),))

@@ -86,7 +86,7 @@ for stage in "$@"; do
     unrun-tests)
       timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/engine/test_gpu_engine.py \
         tests/patches/test_gpu_cuda_graphs.py tests/engine/test_gpu_gemm.py \
-        -k "calls_while or group_offloaded or lora_replays or candidate_tile or way_that_raises or timed_choice" 2>&1 | \
+        -k "calls_while or group_offloaded or lora_replays or candidate_tile or way_that_raises or timed_choice or cat_along" 2>&1 | \
         tee "$OUT/gpu_unrun_tests.log" | tail -12 ;;
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;

@@ -387,13 +387,11 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
     regions: list[Region] = []
     for _ in range(MAX_ROUNDS):
         grouper = _Grouper(graph, candidates - banned, frozenset(apart))
-        regions, new_bans = [], set()
+        regions, new_bans, new_apart = [], set(), set()
         for g in grouper.groups():
-            wide = _wide_outputs(g, graph_outputs)
-            if wide:  # grouped again without them
-                apart |= wide
-                new_bans.add(None)
-                continue
+            new_apart |= _wide_outputs(g, graph_outputs)
+            if g.gemm is not None and new_apart & set(g.nodes):
+                continue  # grouped again without them
             region, bans, why = _region_from_group(g, f"{prefix}.r{len(regions)}", graph_outputs)
             new_bans |= bans
             if region is not None:
@@ -402,9 +400,10 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
                 for n in g.nodes:
                     if _is_compute(n):
                         reasons.setdefault(n, why)
-        if not new_bans:
+        if not new_bans and not new_apart:
             break
-        banned |= new_bans - {None}
+        banned |= new_bans
+        apart |= new_apart
     # nodes set aside for another group's sake (e.g. a value of another size than that group's
     # domain: CogVideoX's gated residuals before the norm of their cat) can still form regions of
     # their own, which the first regions then read from memory (convex groups: no cycles)

@@ -216,7 +216,8 @@ class Tiles:
         if not 5 <= len(values) <= 7:
             raise ValueError(f"{TILES_ENV}={spec!r}: expected BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]")
         bm, bn, bk, warps, stages, *rest = values
-        return Tiles(bm, bn, bk, warps, stages, per_sm=rest[0] if rest else 1, ws=bool(rest[1]) if len(rest) > 1 else False)
+        per_sm, ws = (rest + [1, 0][len(rest):])
+        return Tiles(bm, bn, bk, warps, stages, per_sm=per_sm, ws=bool(ws))
 
 
 #: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]`` replaces :func:`tile_candidates`
@@ -281,8 +282,8 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
     if b_op.wide or any(op.wide for op in a_ops):
         raise Unfusable("GEMM operands of 2^31 elements or more", mm)
     for i, ((_, _, size), op) in enumerate(zip(k_ranges, a_ops)):
-        code.line(f"a{i}_desc = tl.make_tensor_descriptor({op.ptr}, shape=[{m}, {size}], strides=[{op.strides[-2]}, 1], "
-                  "block_shape=[BM, BK])")
+        code.line(f"a{i}_desc = tl.make_tensor_descriptor({op.ptr}, shape=[{m}, {size}], "
+                  f"strides=[{op.strides[-2]}, 1], block_shape=[BM, BK])")
     if layout == "nk":
         code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{n}, {k}], strides=[{b_op.strides[1]}, 1], "
                   "block_shape=[BN, BK])")

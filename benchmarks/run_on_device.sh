@@ -44,6 +44,8 @@
 # Fused GEMMs (EXACTDIT_GEMM; off by default):
 #   gemm             pytest -m gpu tests/engine/test_gpu_gemm.py; bench_gemm.py --energy (fused region in each candidate
 #                    tile configuration vs cuBLAS + epilogue; each way back to back: us, clock, power, mJ per call)
+#   energy-floor     Flux.1-dev 1024^2: each block GEMM / attention call back to back at the power cap (NVML energy per
+#                    call), summed over the forward, against the forward's own energy and power: the cap's floor, measured
 #   gemm-trial       bench_gemm.py over tile configurations that are not candidates yet (two programs per
 #                    multiprocessor, warp specialisation) next to the first candidate, each forced
 #   gemm-flux        Flux.1-dev 1024^2 with EXACTDIT_GEMM=auto (each signature's ways timed; the choices printed) and with
@@ -201,6 +203,9 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_gemm.py -rf 2>&1 | \
         tee "$OUT/gpu_gemm_tests.log" | tail -6
       timeout 360 python3 benchmarks/kernels/bench_gemm.py --energy 2>&1 | grep -v Warn | tee "$OUT/bench_gemm.log" | tail -40 ;;
+    energy-floor)
+      timeout 560 python3 benchmarks/models/energy_floor.py --model flux --config full --height 1024 --width 1024 \
+        2>&1 | grep -v Warn | tee "$OUT/energy_floor_flux.log" | tail -30 ;;
     gemm-trial)
       timeout 500 python3 benchmarks/kernels/bench_gemm.py --tiles 128,256,64,8,4 128,128,64,4,3,2 128,256,64,8,4,1,1 \
         2>&1 | grep -v Warn | tee "$OUT/bench_gemm_trial.log" | tail -60 ;;

@@ -44,3 +44,21 @@ def test_the_bytes_probe_counts_fused_gemms_only_when_on(tmp_path):
     assert [s.split(":")[0] for s in sections] == ["off", "auto"]
     totals = [float(s.split(":")[1].split("GB")[0]) for s in sections]
     assert "fused GEMM" not in sections[0] and totals[1] <= totals[0], proc.stdout
+
+
+@pytest.mark.slow
+def test_the_first_gemm_candidate_compiles_for_sm90_without_spills():
+    """benchmarks/kernels/gemm_registers.py: the configuration a fused GEMM runs untimed, compiled
+    for the H200 by Triton and ptxas on this machine, holds its epilogue in registers (a tile of
+    pointers spilled 1.6-2.5 KB per thread) and fits in shared memory."""
+    from exactdit.engine.templates import gemm
+
+    first = gemm.WIDE_TILES[0]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels", "gemm_registers.py"),
+                           "--tiles", first.spec], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "x" in line
+            and "case" not in line]
+    assert len(rows) == 4, proc.stdout  # scale, gated, gelu, cat-gated
+    for case, tiles, registers, spills, shared in rows:
+        assert spills.strip() == "0 / 0" and int(shared) <= 227 * 1024, (case, tiles, registers, spills, shared)

@@ -300,7 +300,7 @@ def test_an_epilogue_writes_nothing_wider_than_its_gemm(narrow_again):
     assert_bits_equal(out[0], ref[0])
 
 
-@pytest.mark.parametrize("spec", ["128,128,64,4,3,2", "128,256,64,8,4,1,1", "64,128,64,4,3"])
+@pytest.mark.parametrize("spec", ["128,128,64,4,3,2", "128,256,64,8,4,1,1", "64,128,64,4,3", "128,256,64,8,4,1,0,2"])
 def test_a_forced_tile_configuration_is_the_one_built(spec, monkeypatch):
     """``EXACTDIT_GEMM_TILES`` (what bench_gemm.py --tiles sweeps): two programs per
     multiprocessor, warp specialisation; each gives eager's bits (no tile changes a bit)."""
@@ -312,6 +312,7 @@ def test_a_forced_tile_configuration_is_the_one_built(spec, monkeypatch):
     (op,) = _regions(gm)
     kernel = op.region.kernels[0]
     assert ("warp_specialize=True" in kernel.source) == tiles.ws
+    assert ("tl.static_range(2)" in kernel.source) == (tiles.split == 2)  # the epilogue by column halves
     tile_count = -(-130 // tiles.bm) * -(-200 // tiles.bn)
     assert kernel.grid[0] == dict(kernel.constexprs)["PROGRAMS"] == min(4 * tiles.per_sm, tile_count)
     assert_bits_equal(out[0], ref[0], tiles.label)
@@ -320,3 +321,46 @@ def test_a_forced_tile_configuration_is_the_one_built(spec, monkeypatch):
 def test_a_malformed_tile_configuration_is_a_clear_error():
     with pytest.raises(ValueError, match="BM,BN,BK,WARPS,STAGES"):
         gemm.Tiles.parse("128,128")
+    with pytest.raises(ValueError, match="epilogue split"):
+        gemm.Tiles.parse("128,128,64,4,3,1,0,3")
+
+
+@pytest.mark.parametrize("k1", [128, 96])
+def test_the_epilogue_by_column_halves_gives_the_same_bits(k1, monkeypatch):
+    """The gated residual and a cat read as K ranges, with the epilogue run on each half of the
+    accumulator in turn (odd rows and columns: partial tiles in both halves)."""
+    monkeypatch.setenv(gemm.TILES_ENV, "128,128,64,4,3,1,0,2")
+    gm, inputs, _ = _cat_then_linear(64, k1)
+    ref, out, _ = _run(gm, inputs)
+    (op,) = [r for r in _regions(gm) if r.region.kind == "gemm"]
+    assert "acc_lo, acc_hi" in op.region.kernels[0].source
+    assert_bits_equal(out[0], ref[0])
+
+
+def test_whole_tile_epilogue_operands_go_through_tma_and_are_checked_per_call():
+    """The residual is read and the output written as whole tiles by TMA descriptors, the gate as
+    one row broadcast; a residual whose rows are not 16-byte aligned at a call is a layout the
+    kernel was not built for (that call runs the region's ATen nodes)."""
+    gm, inputs = _gated_linear(130, 64, 200, batch=1)
+    ref, out, _ = _run(gm, inputs)
+    (op,) = _regions(gm)
+    source = op.region.kernels[0].source
+    assert source.count(".load([om, on_epi])") == 1 and source.count(".store([om, on_epi]") == 1, source
+    assert "tl.broadcast_to(r" in source  # the gate: one row, broadcast
+    assert_bits_equal(out[0], ref[0])
+    args = [gm.meta["values"][n.name] for n in op.region.inputs]
+    assert gemm.layout_problem(op.region, args) is None
+    residual = next(i for i, n in enumerate(op.region.inputs) if tuple(n.meta["val"].shape) == (1, 130, 200))
+    wider = torch.zeros(1, 130, 203).bfloat16()
+    wider[..., :200] = args[residual]
+    args[residual] = wider[..., :200]  # rows of 203 elements: 406 bytes apart
+    assert "epilogue operand" in gemm.layout_problem(op.region, args)
+
+
+def test_the_pointer_epilogue_stays_a_choice(monkeypatch):
+    monkeypatch.setenv(gemm.TILES_ENV, "128,256,64,8,4,1,0,1,0")
+    gm, inputs = _gated_linear(130, 64, 200, batch=1)
+    ref, out, _ = _run(gm, inputs)
+    (op,) = _regions(gm)
+    assert "on_epi])" not in op.region.kernels[0].source
+    assert_bits_equal(out[0], ref[0])

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import os
 import statistics
+import weakref
 
 import torch
 import torch.fx as fx
@@ -198,36 +199,57 @@ class Tiles:
     per_sm: int = 1
     #: Triton's warp specialisation of the tile loop (loads in their own warps)
     ws: bool = False
+    #: the epilogue runs on the accumulator in this many column slices (1 or 2), one after the
+    #: other: its loads and temporaries for half a tile at a time, so that they fit in registers
+    #: next to the accumulator instead of spilling (``benchmarks/kernels/gemm_registers.py``)
+    split: int = 1
+    #: the epilogue reads and writes whole tiles through TMA descriptors (:class:`_TileEmitter`);
+    #: off: through tiles of pointers (more registers, less shared memory)
+    tma: bool = True
+
+    def __post_init__(self):
+        if self.split not in (1, 2) or self.bn % (2 * self.split):
+            raise ValueError(f"epilogue split {self.split} of {self.bn} columns: 1 or 2 halves")
 
     @property
     def label(self) -> str:
-        extra = (f"/{self.per_sm}perSM" if self.per_sm != 1 else "") + ("/ws" if self.ws else "")
+        extra = (f"/{self.per_sm}perSM" if self.per_sm != 1 else "") + ("/ws" if self.ws else "") + \
+            (f"/split{self.split}" if self.split != 1 else "") + ("" if self.tma else "/ptr")
         return f"{self.bm}x{self.bn}x{self.bk}/{self.warps}w/{self.stages}s{extra}"
 
     @property
     def spec(self) -> str:
         """The configuration as :data:`TILES_ENV` and ``bench_gemm.py --tiles`` take it."""
-        return f"{self.bm},{self.bn},{self.bk},{self.warps},{self.stages},{self.per_sm},{int(self.ws)}"
+        return (f"{self.bm},{self.bn},{self.bk},{self.warps},{self.stages},{self.per_sm},{int(self.ws)},{self.split},"
+                f"{int(self.tma)}")
 
     @staticmethod
     def parse(spec: str) -> "Tiles":
-        """``BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]``."""
+        """``BM,BN,BK,WARPS,STAGES[,PER_SM[,WS[,SPLIT[,TMA]]]]``."""
         values = [int(v) for v in spec.split(",")]
-        if not 5 <= len(values) <= 7:
-            raise ValueError(f"{TILES_ENV}={spec!r}: expected BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]")
+        if not 5 <= len(values) <= 9:
+            raise ValueError(f"{TILES_ENV}={spec!r}: expected BM,BN,BK,WARPS,STAGES[,PER_SM[,WS[,SPLIT[,TMA]]]]")
         bm, bn, bk, warps, stages, *rest = values
-        per_sm, ws = (rest + [1, 0][len(rest):])
-        return Tiles(bm, bn, bk, warps, stages, per_sm=per_sm, ws=bool(ws))
+        per_sm, ws, split, tma = (rest + [1, 0, 1, 1][len(rest):])
+        return Tiles(bm, bn, bk, warps, stages, per_sm=per_sm, ws=bool(ws), split=split, tma=bool(tma))
+
+    def main_loop_bytes(self, esize: int) -> int:
+        """Shared memory of the main loop's pipeline: ``stages`` k-tiles of A and of B."""
+        return self.stages * (self.bm + self.bn) * self.bk * esize
 
 
-#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]]`` replaces :func:`tile_candidates`
+#: ``EXACTDIT_GEMM_TILES=BM,BN,BK,WARPS,STAGES[,PER_SM[,WS[,SPLIT[,TMA]]]]`` replaces :func:`tile_candidates`
 #: (tile sweeps: :attr:`Tiles.spec`)
 TILES_ENV = "EXACTDIT_GEMM_TILES"
 #: Where ``bench_gemm.py`` (H200) found each the fastest or within 2%: 128 x 256 with 4 stages on
 #: most Flux / Wan shapes, 3 stages on some, 256 x 128 and 128 x 128 where 128 x 256 leaves the last
 #: wave of tiles mostly empty (4608 x 3072: 432 tiles on 132 SMs, 3.27 waves).
-WIDE_TILES = (Tiles(128, 256, 64, 8, 4), Tiles(128, 256, 64, 8, 3), Tiles(256, 128, 64, 8, 3),
-              Tiles(128, 128, 64, 8, 4))
+#: Since the epilogue's whole tiles go through TMA (no spills in ptxas's report, where a tile of
+#: pointers spilled 1.6-2.5 KB per thread at 128 x 256), a 128 x 256 tile's epilogue runs in two
+#: halves with 3 stages to fit shared memory; the earlier fastest (4 stages, pointers) stays a
+#: candidate until the H200 says which is faster.
+WIDE_TILES = (Tiles(128, 256, 64, 8, 3, split=2), Tiles(256, 128, 64, 8, 3, split=2), Tiles(128, 128, 64, 8, 4),
+              Tiles(128, 256, 64, 8, 4, tma=False))
 NARROW_TILES = (Tiles(128, 128, 64, 4, 4),)
 
 
@@ -252,6 +274,81 @@ def programs_for(device: torch.device, tiles: int, per_sm: int = 1) -> int:
     return max(1, min(sms * per_sm, tiles))
 
 
+#: per GEMM region, the inputs and outputs its kernels read or write as whole tiles through TMA
+#: descriptors (:class:`_TileEmitter`), whose layout :func:`layout_problem` checks at each call
+_TILE_OPERANDS: "weakref.WeakKeyDictionary[Region, frozenset[fx.Node]]" = weakref.WeakKeyDictionary()
+
+
+def tma_matrix(t: torch.Tensor, m: int, n: int) -> bool:
+    """Whether ``t`` (of shape [1, ..., m, n]) can be read or written as one [m, n] matrix by a TMA
+    descriptor: contiguous columns, 16-byte aligned rows (the base is checked per call)."""
+    return (tuple(t.shape[-2:]) == (m, n) and all(s == 1 for s in t.shape[:-2]) and (t.stride(-1) == 1 or n == 1)
+            and (t.stride(-2) * t.element_size()) % 16 == 0 and n * t.element_size() >= 16)
+
+
+#: shared memory a program may use on the GPUs the fused GEMMs target (sm_90: 227 KiB), less a
+#: margin for barriers and the compiler's own scratch
+SHARED_BYTES = 227 * 1024 - 2048
+
+
+class _TileEmitter(Emitter):
+    """The epilogue's emitter: an operand read (or an output written) at exactly the tile's
+    elements, as an [M, N] matrix, goes through a TMA descriptor (made once per program) rather
+    than a tile of 64-bit pointers, which would hold as many registers as the accumulator and
+    spill it (``benchmarks/kernels/gemm_registers.py``). Descriptors zero-fill reads outside the
+    matrix, as the masked loads do, and drop writes outside it. Same values, same bits."""
+
+    def __init__(self, *args, head: Code, nodes: dict, m: int, n: int, cfg: Tiles, esize: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head, self.nodes, self.m, self.n, self.cfg = head, nodes, m, n, cfg
+        self.descriptors: dict[str, str] = {}
+        self.tiled: set[fx.Node] = set()
+        #: a descriptor's tile is staged in shared memory: as many as fit beside the main loop's
+        self.shared = cfg.main_loop_bytes(esize)
+
+    def _descriptor(self, operand, index) -> str | None:
+        node = self.nodes.get(operand.ptr) or next((nd for nd, op in self.loads.items() if op is operand), None)
+        val = _val(node)
+        if not self.cfg.tma or self._guard or val is None or len(index) != val.dim() \
+                or not tma_matrix(val, self.m, self.n) \
+                or not (index[-2].same_value(self.tile.domain[0]) and index[-1].same_value(self.tile.domain[1])):
+            return None
+        name = self.descriptors.get(operand.ptr)
+        if name is None:
+            staged = self.cfg.bm * (self.cfg.bn // self.cfg.split) * val.element_size()
+            if self.shared + staged > SHARED_BYTES:
+                return None
+            self.shared += staged
+            name = self.descriptors[operand.ptr] = f"t{len(self.descriptors)}_desc"
+            self.head.line(f"{name} = tl.make_tensor_descriptor({operand.ptr}, shape=[{self.m}, {self.n}], "
+                           f"strides=[{operand.strides[-2]}, 1], block_shape=[BM, BN_EPI])")
+        self.tiled.add(node)
+        return name
+
+    def load(self, operand, index, dtype):
+        desc = self._descriptor(operand, index)
+        if desc is not None:
+            self.accesses.append((operand, index))
+            return self.let(f"{desc}.load([om, on_epi])", dtype, FULL, "x")
+        if not self._guard and index and index[-1].same_value(self.tile.domain[1]) \
+                and all(ix.is_const for ix in index[:-1]) and dtype != torch.bool:
+            # one row of values for every row of the tile (a gate, a scale): loaded once as a row
+            # and broadcast, not through a tile of pointers
+            self.accesses.append((operand, index))
+            row = self.code.let(f"tl.load({operand.ptr} + ({offset_code(index, operand.strides, operand.wide)}), "
+                                f"mask=cols < {self.n}, other=0.0)", "r")
+            return self.let(f"tl.broadcast_to({row}, {self.tile.full_shape})", dtype, FULL, "x")
+        return super().load(operand, index, dtype)
+
+    def store(self, operand, index, v):
+        desc = self._descriptor(operand, index)
+        if desc is None:
+            return super().store(operand, index, v)
+        self.accesses.append((operand, index))
+        full = self.broadcast(v, FULL).name
+        self.code.line(f"{desc}.store([om, on_epi], tl.broadcast_to({full}, {self.tile.full_shape}))")
+
+
 def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> GeneratedKernel:
     """The kernel of a GEMM region in ``tiles`` (the first candidate by default): persistent
     tiles of the output, each computing its accumulator and then the epilogue's outputs at the
@@ -268,10 +365,16 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
     outs = output_operands(region)
     code = Code()
     slots = _table_preamble(region, code)
+    head = code.scope("    ")  # descriptors, made once per program
+    loop = code.scope("    ")
     body = code.scope("        ")
-    tile = Tile((Ix.of(Atom("rows", m, False)), Ix.of(Atom("cols", n, True))), "[BM, BN]", "[BM, 1]", "mask",
-                "row_ok", whole_rows=False, aligned_columns=cfg.bn)
-    em = Emitter(body, tile, members=set(region.nodes), loads=loads, pieces={}, tables=slots)
+    # the epilogue: in the tile loop, or in a loop over the accumulator's column slices in it
+    epi = body.scope("            ") if cfg.split > 1 else body
+    tile = Tile((Ix.of(Atom("rows", m, False)), Ix.of(Atom("cols", n, True))), "[BM, BN_EPI]", "[BM, 1]", "mask",
+                "row_ok", whole_rows=False, aligned_columns=cfg.bn // cfg.split)
+    nodes: dict = {}  # outputs by pointer name (inputs are the emitter's loads)
+    em = _TileEmitter(epi, tile, members=set(region.nodes), loads=loads, pieces={}, tables=slots, head=head,
+                      nodes=nodes, m=m, n=n, cfg=cfg, esize=a.element_size())
     # A: one matrix, or the pieces of a cat along K, each read as the K range it fills
     found = prologue(region)
     k_ranges = [(a_node, 0, k)] if found is None else found[1]
@@ -282,18 +385,18 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
     if b_op.wide or any(op.wide for op in a_ops):
         raise Unfusable("GEMM operands of 2^31 elements or more", mm)
     for i, ((_, _, size), op) in enumerate(zip(k_ranges, a_ops)):
-        code.line(f"a{i}_desc = tl.make_tensor_descriptor({op.ptr}, shape=[{m}, {size}], "
+        head.line(f"a{i}_desc = tl.make_tensor_descriptor({op.ptr}, shape=[{m}, {size}], "
                   f"strides=[{op.strides[-2]}, 1], block_shape=[BM, BK])")
     if layout == "nk":
-        code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{n}, {k}], strides=[{b_op.strides[1]}, 1], "
+        head.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{n}, {k}], strides=[{b_op.strides[1]}, 1], "
                   "block_shape=[BN, BK])")
         b_tile = "b_desc.load([on, {k}]).T"
     else:
-        code.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{k}, {n}], strides=[{b_op.strides[0]}, 1], "
+        head.line(f"b_desc = tl.make_tensor_descriptor({b_op.ptr}, shape=[{k}, {n}], strides=[{b_op.strides[0]}, 1], "
                   "block_shape=[BK, BN])")
         b_tile = "b_desc.load([{k}, on])"
     pid_m, pid_n = -(-m // cfg.bm), -(-n // cfg.bn)
-    code.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True"
+    loop.line(f"for tile_id in tl.range(tl.program_id(0), {pid_m * pid_n}, PROGRAMS, flatten=True"
               f"{', warp_specialize=True' if cfg.ws else ''}):")
     body.line(f"pid_m, pid_n = gemm_k.tile_of(tile_id, {pid_m}, {pid_n}, GROUP_M)")
     body.line("om = pid_m * BM")
@@ -304,23 +407,40 @@ def gemm(region: Region, launch: Launch, tiles: Tiles | None = None) -> Generate
         k_at = f"{start} + ki * BK" if start else "ki * BK"
         body.line(f"    acc = gemm_k.mma(a{i}_desc.load([om, ki * BK]), {b_tile.format(k=k_at)}, acc)")
     body.line("rows = om + tl.arange(0, BM)[:, None]")
-    body.line("cols = on + tl.arange(0, BN)[None, :]")
     body.line(f"row_ok = rows < {row_int(m)}")
-    body.line(f"mask = row_ok & (cols < {n})")
     acc = "acc"
+    if cfg.split > 1:  # columns [0, BN_EPI) of the tile, then [BN_EPI, BN): the same values, in turn
+        body.line("acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN_EPI)), (0, 2, 1)))")
+        body.line("for half in tl.static_range(2):")
+        epi.line("if half == 0:")
+        epi.line("    acc_h = acc_lo")
+        epi.line("else:")
+        epi.line("    acc_h = acc_hi")
+        epi.line("on_epi = on + half * BN_EPI")
+        acc = "acc_h"
+    else:
+        epi.line("on_epi = on")
+    epi.line("cols = on_epi + tl.arange(0, BN_EPI)[None, :]")
+    epi.line(f"mask = row_ok & (cols < {n})")
     if bias_node is not None:  # one row of BN values, added to every row of the accumulator
         bias_op = em.input_operand(bias_node)
         offset = offset_code(broadcast_index(tile.domain, (m, n), shape_of(bias_node)), bias_op.strides)
-        bias = body.let(f"tl.load({bias_op.ptr} + ({offset}), mask=cols < {n}, other=0.0)", "bias")
-        widened = body.let(f"widen_bf16({bias})" if dtype_of(bias_node) == torch.bfloat16 else f"{bias}.to(tl.float32)",
-                           "bias")
-        acc = body.let(f"add_rn(acc, {widened})", "acc")
+        bias = epi.let(f"tl.load({bias_op.ptr} + ({offset}), mask=cols < {n}, other=0.0)", "bias")
+        widened = epi.let(f"widen_bf16({bias})" if dtype_of(bias_node) == torch.bfloat16 else f"{bias}.to(tl.float32)",
+                          "bias")
+        acc = epi.let(f"add_rn({acc}, {widened})", "acc")
     em.stats[mm] = {"index": tile.domain, "y": em.rounded(acc, dtype_of(mm), FULL)}
+    nodes.update({op.ptr: node for node, op in zip(region.outputs, outs)})
     _store_outputs(em, region, launch, tile.domain, outs)
-    code.extend(body)
+    if epi is not body:
+        body.extend(epi)
+    for part in (head, loop, body):
+        code.extend(part)
+    # (every tile configuration's kernel of the region: what any of them reads through TMA)
+    _TILE_OPERANDS[region] = _TILE_OPERANDS.get(region, frozenset()) | frozenset(em.tiled)
     programs = programs_for(a.device, pid_m * pid_n, cfg.per_sm)
-    kernel = _kernel(region, loads, code, {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m,
-                                             "PROGRAMS": programs}, (programs,), cfg.warps)
+    kernel = _kernel(region, loads, code, {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "BN_EPI": cfg.bn // cfg.split,
+                                             "GROUP_M": cfg.group_m, "PROGRAMS": programs}, (programs,), cfg.warps)
     return dataclasses.replace(kernel, launch_options=(("num_stages", cfg.stages),))
 
 
@@ -351,6 +471,11 @@ def layout_problem(region: Region, inputs) -> str | None:
             or b_layout(b) != want or b.data_ptr() % 16 \
             or ((b.stride(1) if want == "nk" else b.stride(0)) * esize) % 16:
         return "GEMM operands not in the layout the kernel was built for (contiguous, 16-byte aligned rows)"
+    (m, _), n = _val(a_node).shape, _val(b_node).shape[1]
+    for node in _TILE_OPERANDS.get(region, ()):
+        t = inputs[position[node]] if node in position else None
+        if t is not None and (not tma_matrix(t, m, n) or t.data_ptr() % 16):
+            return "an epilogue operand not in the layout the kernel was built for (16-byte aligned rows)"
     return None
 
 

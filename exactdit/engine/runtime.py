@@ -142,6 +142,17 @@ class RegionOp:
         """A GEMM region's ways for inputs of this layout, which give the same bits: its kernel
         in each candidate tile configuration (``"fused <tiles>"``, through a launch plan where
         there is one; the region's own first) and ``"split"``, cuBLAS followed by the epilogue."""
+        ways = {f"fused {gemm.first_tiles(self.region).label}": self._launch_plan(*inputs) or self._fused}
+        for cfg, op in self.tile_variants():
+            try:
+                ways[f"fused {cfg.label}"] = op._launch_plan(*inputs) or op._fused
+            except Exception:  # noqa: BLE001 - a configuration that does not compile here is not timed
+                continue
+        ways["split"] = self._split
+        return ways
+
+    def tile_variants(self) -> list:
+        """[(tiles, RegionOp)]: a GEMM region's kernel in each other candidate tile configuration."""
         if self._tile_variants is None:
             self._tile_variants = []
             for cfg, kernel in gemm.other_tiles(self.region):
@@ -151,14 +162,7 @@ class RegionOp:
                 op._out_layouts = self._out_layouts  # (the same nodes: the same output layouts)
                 _GEMM_OPS.discard(op)
                 self._tile_variants.append((cfg, op))
-        ways = {f"fused {gemm.first_tiles(self.region).label}": self._launch_plan(*inputs) or self._fused}
-        for cfg, op in self._tile_variants:
-            try:
-                ways[f"fused {cfg.label}"] = op._launch_plan(*inputs) or op._fused
-            except Exception:  # noqa: BLE001 - a configuration that does not compile here is not timed
-                continue
-        ways["split"] = self._split
-        return ways
+        return self._tile_variants
 
     def _compiling(self) -> bool:
         return any(compile_workers.compiling(fn) for fn, _ in self.kernels())
@@ -241,16 +245,31 @@ class RegionOp:
         """Send this region's kernels to Triton's compile workers (:mod:`compile_workers`) for the
         layout its captured graph shows (the fake values' dtypes, strides and storage offsets),
         so that they compile while the model runs (its calls run the region's ATen nodes until
-        they are: :attr:`gate.FusedOp.compiling`). Returns how many were sent: none off CUDA, for
-        GEMM regions (compiled when timed) or symbolic sizes."""
+        they are: :attr:`gate.FusedOp.compiling`); a GEMM region's also in its other tile
+        configurations and its epilogue alone, the ways its first calls time. Returns how many
+        were sent: none off CUDA or for symbolic sizes."""
         ins = [n.meta.get("val") for n in self.region.inputs]
-        outs = [n.meta.get("val") for n in self.region.outputs]
-        if self.region.kind == "gemm" or not all(isinstance(t, torch.Tensor) for t in ins + outs):
+        if not all(isinstance(t, torch.Tensor) for t in ins):
             return 0
         device = gate.args_device(ins)
         if not launch.supported(device) or compile_workers.worker_count() == 0:
             return 0
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (tables are built by launches)
+            return 0
+        ops = [self]
+        if self.region.kind == "gemm":
+            try:
+                ops += [op for _, op in self.tile_variants()]
+            except Exception:  # noqa: BLE001 - (a variant that cannot be built is not timed either)
+                pass
+            if self._alternative is not None:
+                ops.append(self._alternative)
+        return sum(op._send_ahead(device) for op in ops)
+
+    def _send_ahead(self, device) -> int:
+        ins = [n.meta.get("val") for n in self.region.inputs]
+        outs = [n.meta.get("val") for n in self.region.outputs]
+        if not all(isinstance(t, torch.Tensor) for t in ins + outs):
             return 0
         try:
             views = [torch.view_as_real(t) if c else t for t, c in zip(ins, self._complex_inputs or [False] * len(ins))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -39,6 +40,20 @@ def like(fake):
     return torch.zeros(size, dtype=fake.dtype).as_strided(fake.shape, fake.stride(), fake.storage_offset())
 
 
+def gated_linear():
+    """``r + g * linear(x)`` with 1024 rows (a fused GEMM region under EXACTDIT_GEMM=fused)."""
+    from tests.engine_helpers import GraphBuilder
+
+    aten = torch.ops.aten
+    b = GraphBuilder()
+    x, w = b.input(torch.zeros(1024, 64).bfloat16()), b.input(torch.zeros(256, 64).bfloat16())
+    y = b.op(aten.addmm.default, b.input(torch.zeros(256).bfloat16()), x, b.op(aten.t.default, w))
+    y3 = b.op(aten.view.default, y, [1, 1024, 256])
+    out = b.op(aten.add.Tensor, b.input(torch.zeros(1, 1024, 256).bfloat16()),
+               b.op(aten.mul.Tensor, b.input(torch.zeros(1, 1, 256).bfloat16()), y3))
+    return b.module(out)
+
+
 def main() -> None:
     from exactdit.device import compile_workers, launch
     from exactdit.engine.capture import capture_graphs
@@ -49,14 +64,19 @@ def main() -> None:
 
     driver.set_active(Sm90())
     launch.supported = lambda device: True  # (the launch plans' route; here only run(warmup=True) is used)
-    tr = models.build_transformer("wan", "tiny", dtype=torch.bfloat16, seed=4)
-    kw = models.forward_inputs("wan", tr, batch=1, seed=5, height=32, width=32, num_frames=5)
-    graphs = [gm for _, gm, _ in capture_graphs(tr, kw, repeated_blocks(tr))]
+    if "--gemm" in sys.argv:  # a fused GEMM region: its kernel in every candidate tiling, and its epilogue alone
+        graphs = [gated_linear()]
+    else:
+        tr = models.build_transformer("wan", "tiny", dtype=torch.bfloat16, seed=4)
+        kw = models.forward_inputs("wan", tr, batch=1, seed=5, height=32, width=32, num_frames=5)
+        graphs = [gm for _, gm, _ in capture_graphs(tr, kw, repeated_blocks(tr))]
     # (a GELU table is built by a kernel launch, which this machine cannot run)
     ops = [RegionOp(r) for gm in graphs for r in find_regions(gm, "wan").regions if not r.tables]
     sent = sum(op.compile_ahead() for op in ops)
     compiled, launches = 0, []
-    for op in ops:
+    every = [x for op in ops for x in [op] + [v for _, v in (op.tile_variants() if op.region.kind == "gemm" else [])]
+             + ([op._alternative] if op._alternative is not None else [])]
+    for op in every:
         ins = [n.meta["val"] for n in op.region.inputs]
         outs = [like(n.meta["val"]) for n in op.region.outputs]
         views = [torch.view_as_real(like(t)) if t.dtype == torch.complex64 else like(t) for t in ins]

@@ -13,12 +13,12 @@ from tests.device.test_compile_for_gpu import _compiler_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _ahead(tmp_path, workers: str) -> dict:
+def _ahead(tmp_path, workers: str, *args: str, **env_vars: str) -> dict:
     import json
 
     env = dict(_compiler_env(), EXACTDIT_COMPILE_WORKERS=workers, TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               EXACTDIT_CACHE=str(tmp_path / "exactdit"))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "compile_ahead_for_gpu.py")], capture_output=True,
+               EXACTDIT_CACHE=str(tmp_path / "exactdit"), **env_vars)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "compile_ahead_for_gpu.py"), *args], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -35,6 +35,17 @@ def test_kernels_compiled_by_workers_are_found_by_their_launches(tmp_path):
     alone = _ahead(tmp_path / "b", "0")
     assert alone["sent"] == alone["compiled_by_workers"] == 0 and alone["launches"] == ahead["launches"]
     assert alone["new_cache_files_at_launch"] > 0  # (so the count above could have failed)
+
+
+def test_a_fused_gemm_is_compiled_ahead_in_every_way_its_first_calls_time(tmp_path):
+    """A GEMM region's kernel in each candidate tile configuration and its epilogue alone (the ways
+    its first calls time against each other) are compiled by the workers: none compiles at launch."""
+    from exactdit.engine.templates import gemm
+
+    ahead = _ahead(tmp_path, "2", "--gemm", EXACTDIT_GEMM="fused")
+    assert ahead["launches"] == len(gemm.WIDE_TILES) + 1, ahead
+    assert ahead["sent"] == ahead["compiled_by_workers"] == ahead["launches"]
+    assert ahead["new_cache_files_at_launch"] == 0
 
 
 def test_a_job_a_worker_cannot_compile_answers_false():

@@ -238,6 +238,8 @@ def test_a_cat_along_k_is_read_piece_by_piece(k1):
     assert cat in op.region.nodes and gemm.prologue(op.region) is not None, report.lines()
     assert all(cat not in r.region.nodes for r in _regions(gm) if r is not op)
     assert "cat" not in report.left, report.lines()
+    # the residual [2, 65, 200] is read as one [130, 200] matrix (its batch and token dims merge)
+    assert op.region.kernels[0].source.count(".load([om, on_epi])") == 1
     assert_bits_equal(out[0], ref[0], "cat read as K ranges")
     args = [gm.meta["values"][n.name] for n in op.region.inputs]
     with trusted(), torch.no_grad():

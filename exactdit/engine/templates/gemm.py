@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine.emit import FULL, Code, Emitter, Tile, Unfusable, Val, dtype_of, shape_of
-from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code, row_int, row_ints
+from exactdit.engine.indexing import Atom, Index, Ix, broadcast_index, offset_code, reshape_index, row_int, row_ints
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.rules import REDUCTION_OUTPUT, Rule, register_rule
 from exactdit.engine.templates.base import GeneratedKernel, _kernel, _store_outputs, _table_preamble, output_operands
@@ -280,10 +280,11 @@ _TILE_OPERANDS: "weakref.WeakKeyDictionary[Region, frozenset[fx.Node]]" = weakre
 
 
 def tma_matrix(t: torch.Tensor, m: int, n: int) -> bool:
-    """Whether ``t`` (of shape [1, ..., m, n]) can be read or written as one [m, n] matrix by a TMA
-    descriptor: contiguous columns, 16-byte aligned rows (the base is checked per call)."""
-    return (tuple(t.shape[-2:]) == (m, n) and all(s == 1 for s in t.shape[:-2]) and (t.stride(-1) == 1 or n == 1)
-            and (t.stride(-2) * t.element_size()) % 16 == 0 and n * t.element_size() >= 16)
+    """Whether ``t`` (of shape [..., n] with m rows in all) can be read or written as one [m, n]
+    matrix by a TMA descriptor: its leading dims merge into rows (:func:`rows_of`), 16-byte
+    aligned (the base is checked per call)."""
+    row = rows_of(t) if t.dim() >= 2 and t.shape[-1] == n and t.numel() == m * n else None
+    return row is not None and (row * t.element_size()) % 16 == 0 and n * t.element_size() >= 16
 
 
 #: shared memory a program may use on the GPUs the fused GEMMs target (sm_90: 227 KiB), less a
@@ -310,8 +311,11 @@ class _TileEmitter(Emitter):
         node = self.nodes.get(operand.ptr) or next((nd for nd, op in self.loads.items() if op is operand), None)
         val = _val(node)
         if not self.cfg.tma or self._guard or val is None or len(index) != val.dim() \
-                or not tma_matrix(val, self.m, self.n) \
-                or not (index[-2].same_value(self.tile.domain[0]) and index[-1].same_value(self.tile.domain[1])):
+                or not tma_matrix(val, self.m, self.n):
+            return None
+        # read at the tile's own elements: the domain's [rows, cols] viewed as the operand's shape
+        at_tile = reshape_index(self.tile.domain, (self.m, self.n), val.shape)
+        if not all(a.same_value(b) for a, b in zip(index, at_tile)):
             return None
         name = self.descriptors.get(operand.ptr)
         if name is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 from typing import Callable
 
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from exactdit.device import hash_in_one_order
 from exactdit.device.numerics import LAUNCH_OPTIONS, mul_rn, round_to, widen
 
 logger = logging.getLogger("exactdit")
@@ -273,3 +275,6 @@ def lookup_code(em, node, x) -> str:
     slot = em.tables[node]
     args = ", ".join(f"{slot}_{f}" for f in CONSTEXPR_FIELDS)
     return f"table_lookup({x.name}, {slot}, {slot}_ptr, {args})"
+
+
+hash_in_one_order(sys.modules[__name__])  # (the keys of kernels that call table_lookup: see there)

@@ -56,3 +56,44 @@ def test_a_second_process_reuses_the_cached_source_and_a_changed_library_does_no
     changed = _load_in_fresh_process(tmp_path, "changed")
     assert changed["file"] == first["file"]  # the same text...
     assert changed["key"] != first["key"]  # ...calling another device function: Triton compiles it anew
+
+
+#: two kernels calling the same library function (whose key folds in constexpr globals)
+KERNELS = [f'''@triton.jit
+def region_kernel(in0_ptr, out0_ptr, n):
+    i = tl.arange(0, {width})
+    x = tl.load(in0_ptr + i, mask=i < n)
+    tl.store(out0_ptr + i, dtype_mul(x, x), mask=i < n)
+''' for width in (16, 32)]
+
+#: each source's Triton key, loaded in the order given (a fresh process, no interpreter)
+_ORDER_PROBE = '''
+import json, sys
+from exactdit.engine import kernel_source
+keys = {}
+for k in json.loads(sys.argv[1]):
+    keys[k] = kernel_source.load(json.loads(sys.argv[2])[k]).cache_key
+print(json.dumps(keys))
+'''
+
+
+def test_a_kernels_key_does_not_depend_on_which_kernel_a_process_hashed_first(tmp_path):
+    """Triton 3.6 folds a called function's constexpr globals into its caller's key only once the
+    callee was hashed, so the first kernel a process hashed got another key than the same kernel
+    hashed later: compile workers' first jobs were compiled again at their launch (a 2-worker run
+    of a GEMM region's four tilings on Triton 3.6: one recompiled of four, two of four with three
+    workers). The device library is hashed at import, in one order, in every process."""
+    import json
+
+    probe = tmp_path / "order.py"
+    probe.write_text(_ORDER_PROBE)
+    env = dict(os.environ, EXACTDIT_CACHE=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    keys = []
+    for order in ([0, 1], [1, 0]):
+        done = subprocess.run([sys.executable, str(probe), json.dumps(order), json.dumps(KERNELS)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keys.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert keys[0] == keys[1]

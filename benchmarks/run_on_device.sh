@@ -47,7 +47,8 @@
 #   energy-floor     Flux.1-dev 1024^2: each block GEMM / attention call back to back at the power cap (NVML energy per
 #                    call), summed over the forward, against the forward's own energy and power: the cap's floor, measured
 #   gemm-trial       bench_gemm.py over tile configurations that are not candidates yet (two programs per
-#                    multiprocessor, warp specialisation) next to the first candidate, each forced
+#                    multiprocessor, warp specialisation) next to the first candidate and the earlier pointer
+#                    epilogue (4 stages), each forced
 #   gemm-flux        Flux.1-dev 1024^2 with EXACTDIT_GEMM=auto (each signature's ways timed; the choices printed) and with
 #                    every GEMM left to cuBLAS, kernel-time breakdown, clock, power, energy per forward
 # Context parallelism (device kind nvidia-h200-x2):
@@ -207,7 +208,8 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/models/energy_floor.py --model flux --config full --height 1024 --width 1024 \
         2>&1 | grep -v Warn | tee "$OUT/energy_floor_flux.log" | tail -30 ;;
     gemm-trial)
-      timeout 500 python3 benchmarks/kernels/bench_gemm.py --tiles 128,256,64,8,4 128,128,64,4,3,2 128,256,64,8,4,1,1 \
+      timeout 500 python3 benchmarks/kernels/bench_gemm.py --tiles 128,256,64,8,3,1,0,2 128,128,64,8,2,2,0,2 \
+        128,256,64,8,3,1,1,2 128,256,64,8,4,1,0,1,0 \
         2>&1 | grep -v Warn | tee "$OUT/bench_gemm_trial.log" | tail -60 ;;
     gemm-flux)
       timeout 540 python3 benchmarks/models/bench_engine.py --model flux --config full --height 1024 --width 1024 \

@@ -94,7 +94,7 @@ def test_a_way_that_raises_is_not_chosen(monkeypatch):
 
 
 #: configurations ``bench_gemm.py --tiles`` is to try next (not candidates yet)
-TRIAL_TILES = (gemm.Tiles(128, 128, 64, 4, 3, per_sm=2), gemm.Tiles(128, 256, 64, 8, 4, ws=True))
+TRIAL_TILES = (gemm.Tiles(128, 128, 64, 8, 2, per_sm=2, split=2), gemm.Tiles(128, 256, 64, 8, 3, ws=True, split=2))
 
 
 @pytest.mark.parametrize("tiles", gemm.WIDE_TILES + gemm.NARROW_TILES + TRIAL_TILES, ids=lambda t: t.label)

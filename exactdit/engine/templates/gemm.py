@@ -320,7 +320,7 @@ class _TileEmitter(Emitter):
         name = self.descriptors.get(operand.ptr)
         if name is None:
             staged = self.cfg.bm * (self.cfg.bn // self.cfg.split) * val.element_size()
-            if self.shared + staged > SHARED_BYTES:
+            if self.shared + staged > SHARED_BYTES // self.cfg.per_sm:  # (programs sharing a multiprocessor)
                 return None
             self.shared += staged
             name = self.descriptors[operand.ptr] = f"t{len(self.descriptors)}_desc"

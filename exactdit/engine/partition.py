@@ -217,6 +217,8 @@ class _Grouper:
                     ext |= g.external
                     reds += g.reductions
                 gemm_groups = [g for g in option if g.gemm is not None]
+                if gemm_groups and any(n in self.apart_from_gemms for g in option for n in g.nodes):
+                    continue  # (a value kept out of GEMM groups does not join one through a consumer)
                 if len(gemm_groups) > 1 or (gemm_groups and self.anc[gemm_groups[0].gemm] & mask
                                             & ~self._bits(gemm_groups[0].prologue)[0]):
                     continue  # a GEMM's kernel computes nothing its own operands are made of
@@ -400,7 +402,7 @@ def find_regions(gm: fx.GraphModule, prefix: str = "region") -> Partition:
                 for n in g.nodes:
                     if _is_compute(n):
                         reasons.setdefault(n, why)
-        if not new_bans and not new_apart:
+        if not new_bans and not (new_apart - apart):
             break
         banned |= new_bans
         apart |= new_apart

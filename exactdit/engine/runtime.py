@@ -95,7 +95,11 @@ class RegionOp:
 
     def _unsupported(self, *inputs):
         if self.region.kind == "gemm":
-            why = gemm.layout_problem(self.region, inputs)
+            try:
+                self.tile_variants()  # (their TMA operands join the region's, checked below)
+            except Exception:  # noqa: BLE001 - a tiling that cannot be built is not timed either
+                pass
+            why = gemm.layout_problem(self.region, inputs) or gemm.output_problem(self.region, self._out_layout(inputs))
             if why is not None:
                 return why
         if self._complex_inputs:  # kernels read complex64 with the fp32 view's last strides (2, 1)

@@ -366,3 +366,62 @@ def test_the_pointer_epilogue_stays_a_choice(monkeypatch):
     (op,) = _regions(gm)
     assert "on_epi])" not in op.region.kernels[0].source
     assert_bits_equal(out[0], ref[0])
+
+
+# --- found by review (each fails without its fix) --------------------------------------------------
+
+def test_rows_do_not_merge_across_a_size_one_dim():
+    """(2, 1, 65, 200) with strides (14000, 14000, 200, 1): the size-1 dim's stride says nothing;
+    the batches lie 14000 apart, not 65 x 200: not one [130, 200] matrix."""
+    r = torch.randn(2, 70, 200).bfloat16()[:, None, :65]
+    assert gemm.rows_of(r) is None and not gemm.tma_matrix(r, 130, 200)
+    assert gemm.rows_of(torch.randn(2, 1, 65, 200)[:, :, :, :]) == 200
+    b = GraphBuilder()
+    y = b.op(aten.mm.default, b.input(_ints((130, 64), 4, 1)), b.op(aten.t.default, b.input(_ints((200, 64), 4, 2))))
+    gm = b.module(b.op(aten.add.Tensor, b.input(r), b.op(aten.view.default, y, [2, 1, 65, 200])))
+    ref, out, _ = _run(gm, b.inputs)
+    assert_bits_equal(out[0], ref[0])
+
+
+def test_an_operand_only_another_tiling_reads_through_tma_is_checked_before_any_way_runs():
+    """A third whole-tile input: past the shared-memory budget of the first tiling (pointer
+    loads), through TMA in another. A misaligned one must be refused before the ways are timed
+    (on the H200 the misaligned TMA read killed the process: a sticky CUDA error)."""
+    m, n = 130, 200
+    b = GraphBuilder()
+    y = b.op(aten.mm.default, b.input(_ints((m, 64), 4, 1)), b.op(aten.t.default, b.input(_ints((n, 64), 4, 2))))
+    r1, r2, r3 = (b.input(torch.randn(m, n).bfloat16()) for _ in range(3))
+    gm = b.module(b.op(aten.add.Tensor, b.op(aten.add.Tensor, r1, b.op(aten.mul.Tensor, r2, r3)), y))
+    _run(gm, b.inputs)
+    (op,) = _regions(gm)
+    args = [gm.meta["values"][nd.name] for nd in op.region.inputs]
+    i3 = op.region.inputs.index(r3)
+    shifted = torch.empty(m * n + 1).bfloat16()[1:].view(m, n)  # 2 bytes past a 16-byte boundary
+    shifted.copy_(args[i3])
+    args[i3] = shifted
+    assert op._unsupported(*args) is not None
+
+
+def test_a_value_kept_out_of_gemm_groups_does_not_join_one_through_a_consumer():
+    """An fp32 cast of the GEMM's output that is handed back, and a consumer of both it and the
+    GEMM's output: the GEMM still takes an epilogue (before the fix: regrouped 30 times, then no
+    region at all)."""
+    b = GraphBuilder()
+    y = b.op(aten.mm.default, b.input(_ints((128, 64), 4, 1)), b.op(aten.t.default, b.input(_ints((64, 64), 4, 2))))
+    wide = b.op(aten._to_copy.default, y, dtype=torch.float32)
+    out = b.op(aten._to_copy.default, b.op(aten.add.Tensor, wide, b.op(aten.mul.Tensor, y, 3)), dtype=torch.bfloat16)
+    gm = b.module(out, wide)
+    ref, res, report = _run(gm, b.inputs)
+    assert any(r.region.kind == "gemm" for r in _regions(gm)), report.lines()
+    for o, r in zip(res, ref):
+        assert_bits_equal(o, r)
+
+
+def test_a_bool_operand_is_not_read_through_tma():
+    b = GraphBuilder()
+    y = b.op(aten.mm.default, b.input(_ints((130, 64), 4, 1)), b.op(aten.t.default, b.input(_ints((256, 64), 4, 2))))
+    keep = b.input(torch.rand(130, 256) > 0.5)
+    gm = b.module(b.op(aten.where.self, keep, y, b.op(aten.mul.Tensor, y, 2)))
+    ref, res, report = _run(gm, b.inputs)
+    assert any(r.region.kind == "gemm" for r in _regions(gm)), report.lines()
+    assert_bits_equal(res[0], ref[0])

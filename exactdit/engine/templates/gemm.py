@@ -96,10 +96,14 @@ def rows_of(t: torch.Tensor) -> int | None:
     last dim contiguous, or None where its leading dims do not merge into one row stride."""
     if t.dim() < 2 or (t.stride(-1) != 1 and t.shape[-1] > 1):
         return None
-    row = t.stride(-2)
+    row = inner = t.stride(-2)
+    size = t.shape[-2]
     for d in range(t.dim() - 3, -1, -1):
-        if t.shape[d] != 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+        if t.shape[d] == 1:  # (its stride says nothing)
+            continue
+        if t.stride(d) != inner * size:
             return None
+        inner, size = t.stride(d), t.shape[d]
     return row
 
 
@@ -310,7 +314,7 @@ class _TileEmitter(Emitter):
     def _descriptor(self, operand, index) -> str | None:
         node = self.nodes.get(operand.ptr) or next((nd for nd, op in self.loads.items() if op is operand), None)
         val = _val(node)
-        if not self.cfg.tma or self._guard or val is None or len(index) != val.dim() \
+        if not self.cfg.tma or self._guard or val is None or val.dtype == torch.bool or len(index) != val.dim() \
                 or not tma_matrix(val, self.m, self.n):
             return None
         # read at the tile's own elements: the domain's [rows, cols] viewed as the operand's shape
@@ -480,6 +484,18 @@ def layout_problem(region: Region, inputs) -> str | None:
         t = inputs[position[node]] if node in position else None
         if t is not None and (not tma_matrix(t, m, n) or t.data_ptr() % 16):
             return "an epilogue operand not in the layout the kernel was built for (16-byte aligned rows)"
+    return None
+
+
+def output_problem(region: Region, layouts) -> str | None:
+    """Why outputs of these layouts ((shape, strides, dtype) each, eager's for the call's inputs)
+    cannot be written by the region's kernels, or None: those written through TMA need rows
+    that merge and are 16-byte aligned (the allocator aligns their bases)."""
+    (m, _), n = _val(operands(region.anchor)[0]).shape, _val(operands(region.anchor)[1]).shape[1]
+    tiled = _TILE_OPERANDS.get(region, ())
+    for node, (shape, stride, dtype) in zip(region.outputs, layouts):
+        if node in tiled and not tma_matrix(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), m, n):
+            return "an output of another layout than the kernel writes (16-byte aligned rows)"
     return None
 
 

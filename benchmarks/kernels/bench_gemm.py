@@ -128,8 +128,8 @@ def main() -> None:
                                      ratio_kind="cublas+epilogue_us/fused_us", equal=equal, **env))
             if args.energy:
                 for op in (op for op in ops if op.region.kind == "gemm"):
-                    args = [values[n.name] for n in op.region.inputs]
-                    measured = {way: back_to_back(fn, args) for way, fn in op.gemm_ways(*args).items()}
+                    region_args = [values[n.name] for n in op.region.inputs]
+                    measured = {way: back_to_back(fn, region_args) for way, fn in op.gemm_ways(*region_args).items()}
                     print(f"{tiles} {name} {m}x{k}x{n} back to back: {measured}", flush=True)
                     rows.append(dict(model_or_op=f"gemm+{name}", shape=f"{m}x{k}x{n}", dtype="bf16",
                                      path=f"fused {tiles}, back to back", back_to_back=measured, equal=equal, **env))

@@ -26,7 +26,8 @@ import compile_for_gpu  # noqa: E402  (sets TRITON_INTERPRET=0 before Triton is 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-CASES = [("scale", 4096, 3072, 3072), ("gated", 4096, 3072, 3072), ("gelu", 4608, 3072, 12288), ("cat-gated", 4608, 15360, 3072)]
+CASES = [("scale", 4096, 3072, 3072), ("gated", 4096, 3072, 3072), ("gelu", 4608, 3072, 12288),
+         ("cat-gated", 4608, 15360, 3072)]
 
 
 def graph(name: str, m: int, k: int, n: int):
@@ -78,7 +79,8 @@ def ptxas_report(ptx: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiles", nargs="*", default=None, help="BM,BN,BK,WARPS,STAGES[,PER_SM[,WS]] (default: candidates)")
+    ap.add_argument("--tiles", nargs="*", default=None,
+                    help="BM,BN,BK,WARPS,STAGES[,PER_SM[,WS[,SPLIT[,TMA]]]] (default: the candidates)")
     args = ap.parse_args()
     os.environ["EXACTDIT_GEMM"] = "fused"
     from exactdit.engine.templates import gemm

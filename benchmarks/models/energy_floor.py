@@ -139,8 +139,9 @@ def main() -> None:
         power = c["power_w"] or 0.0
         c.pop("done", None)
         floor_ms = floor_j / power * 1e3 if power and floor_j else None
+        floor = floor_ms and round(floor_ms, 1)
         print(f"{name}: {c['ms']:.1f} ms, {c['energy_j']} J per forward at {power} W, {c['sm_mhz']} MHz; GEMM + "
-              f"attention alone {floor_j:.2f} J -> floor {floor_ms and round(floor_ms, 1)} ms at that power", flush=True)
+              f"attention alone {floor_j:.2f} J -> floor {floor} ms at that power", flush=True)
         rows.append(dict(model_or_op=model, shape=shape, dtype="bf16", path=name, ms=c["ms"],
                          energy_j=c["energy_j"], power_w=power, sm_mhz=c["sm_mhz"], floor_ms=floor_ms,
                          ratio_kind="energy floor: GEMM + attention J / forward power",

@@ -50,9 +50,9 @@ from exactdit.engine.templates.base import GeneratedKernel, _kernel, _store_outp
 aten = torch.ops.aten
 
 #: Fused GEMMs are off unless ``EXACTDIT_GEMM`` says otherwise (read at capture): ``auto`` times each
-#: signature's two ways and keeps the faster, ``fused`` / ``split`` fix the way (tests, benchmarks).
-#: Off by default: on Flux.1-dev 1024^2 (H200) no signature's fused kernel beat cuBLAS + its
-#: epilogue inside the forward, and compiling them made the first call 22 s instead of 3 s.
+#: signature's ways and keeps the fastest, ``fused`` / ``split`` fix the way (tests, benchmarks).
+#: Off by default: on Flux.1-dev 1024^2 (H200) every signature's kernel beat cuBLAS + its epilogue,
+#: but the forward took the same energy and so, at the 700 W cap, the same time (BENCHMARKS.md).
 CHOICE_ENV = "EXACTDIT_GEMM"
 MODES = ("auto", "fused", "split")
 

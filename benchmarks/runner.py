@@ -59,7 +59,8 @@ def forward_ms(tr, kw, repeat: int) -> tuple[float, torch.Tensor]:
                 t = time.perf_counter()
                 out = tr(**kw, return_dict=False)[0]
                 times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), out.clone()
+    return statistics.median(times), torch.utils._pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)  # (Z-Image returns a list)
 
 
 def kw_device(kw: dict) -> str:

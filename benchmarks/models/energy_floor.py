@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.models.profiling import clocks_while  # noqa: E402
-from benchmarks.runner import add_model_args, append_results, environment, model_and_inputs, model_label  # noqa: E402
+from benchmarks.runner import add_model_args, append_results, environment, forward_ms, model_and_inputs, model_label  # noqa: E402,E501
 from exactdit.engine import timing  # noqa: E402
 from exactdit.engine.coverage import is_gemm_or_attention, op_name  # noqa: E402
 from exactdit.patches.engine import repeated_blocks  # noqa: E402
@@ -81,24 +81,6 @@ def back_to_back(fn, calls: int = 20) -> dict:
             "power_w": c["power_w"]}
 
 
-def forward_time(tr, kw, repeat: int = 5) -> float:
-    """Median ms of ``repeat`` forwards (CUDA events; wall clock off the GPU), whatever they return."""
-    times = []
-    for _ in range(repeat + 1):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            tr(**kw)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            tr(**kw)
-            times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times[1:])[repeat // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -120,7 +102,7 @@ def main() -> None:
             print(f"{entry['op']} x{entry['count']}: {m['us']:.1f} us, {mj}, {m['sm_mhz']} MHz, {m['power_w']} W",
                   flush=True)
         whole = {"eager": whole_forward(lambda: tr(**kw), seconds=8.0)}  # (before the patch: in place)
-        whole["eager"]["ms"] = forward_time(tr, kw)
+        whole["eager"]["ms"] = forward_ms(tr, kw, 5)[0]
         if not args.no_exactdit:
             import exactdit
 
@@ -130,7 +112,7 @@ def main() -> None:
                 tr(**kw)
             name = "exactdit + graphs" if graphs else "exactdit"
             whole[name] = whole_forward(lambda: tr(**kw), seconds=8.0)
-            whole[name]["ms"] = forward_time(tr, kw)
+            whole[name]["ms"] = forward_ms(tr, kw, 5)[0]
     model, shape = model_label(args)
     env = environment()
     floor_j = sum(c["j"] for c in by_kind.values())

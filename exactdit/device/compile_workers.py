@@ -210,9 +210,30 @@ _POOL: list = []
 
 def start() -> None:
     """Start the workers (they import Triton and the device library while a model's first call
-    captures its blocks). Nothing where :func:`worker_count` is 0."""
+    captures its blocks; none where :func:`worker_count` is 0), and have a thread compute the key
+    Triton puts in every kernel's cache key: Triton hashes its own files once per process, the
+    415 MB ``libtriton.so`` of Triton 3.6 included (0.4 s of a fresh process's first call, where the
+    first kernel looked its binary up). File reads and sha256 release the GIL, so the hashing runs
+    beside the first capture instead of after it."""
     if worker_count():
         _pool()
+    with _lock:
+        if _KEYED:
+            return
+        _KEYED.append(threading.Thread(target=_triton_key, name="exactdit-triton-key", daemon=True))
+    _KEYED[0].start()
+
+
+_KEYED: list = []  # the thread computing Triton's key, once per process
+
+
+def _triton_key() -> None:
+    try:
+        from triton.runtime.cache import triton_key  # (cached by Triton: later calls return it)
+
+        triton_key()
+    except Exception:  # noqa: BLE001 - another Triton: its first kernel computes what it needs
+        pass
 
 
 def _pool() -> _Workers:

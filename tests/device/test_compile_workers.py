@@ -213,3 +213,16 @@ def test_a_pool_that_cannot_start_leaves_nothing_pending(monkeypatch):
     workers, future = compile_workers._Workers(1), Future()
     workers.put(({"module": "m", "path": "p", "name": "n", "specialization": "{}", "target": {}}, future))
     assert future.result(timeout=30) is False
+
+
+def test_start_computes_tritons_key_in_a_thread(monkeypatch):
+    from triton.runtime.cache import triton_key
+
+    monkeypatch.setenv("EXACTDIT_COMPILE_WORKERS", "0")
+    monkeypatch.setattr(compile_workers, "_KEYED", [])
+    triton_key.cache_clear()
+    compile_workers.start()
+    compile_workers._KEYED[0].join(timeout=60)
+    assert triton_key.cache_info().currsize == 1
+    compile_workers.start()  # once per process
+    assert len(compile_workers._KEYED) == 1

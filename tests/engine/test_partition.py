@@ -135,3 +135,25 @@ def test_collectives_are_neither_merged_nor_reordered():
     for target in (c10d.all_to_all_single.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default):
         assert not _pure(target) and _effectful(g.call_function(target, (x,)))
     assert _pure(aten.mul.Tensor) and not _effectful(g.call_function(aten.mul.Tensor, (x, x)))
+
+
+def test_dynamo_names_source_functions_only_while_its_trace_logs_are_on():
+    """The backend stops Dynamo tokenizing every traced source file for log headers nobody reads."""
+    import inspect
+    import logging
+
+    from torch._dynamo import funcname_cache, symbolic_convert
+
+    from exactdit.engine.backend import make_backend
+
+    make_backend("test")
+    lookup = symbolic_convert.get_funcname
+    line = inspect.currentframe().f_lineno
+    assert lookup(__file__, line) is None
+    log = symbolic_convert.trace_call_log
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        assert lookup(__file__, line) == funcname_cache.get_funcname(__file__, line) is not None
+    finally:
+        log.setLevel(level)

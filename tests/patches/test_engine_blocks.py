@@ -90,6 +90,33 @@ def _block_graphs(label: str) -> list:
     return [g for g in coverage.graphs() if g.name.startswith(label + "#")]
 
 
+def test_a_batch_of_one_captures_each_block_class_once_per_resolution():
+    """With a batch of one, Flux's first single block reads the double blocks' contiguous output and
+    the next ones slices of the joint sequence: the same elements in the same order, strides that
+    differ only on the size-1 batch dim. Each block class is captured once per resolution (Dynamo
+    guarded that stride: a second capture per resolution), and the forward is equal to eager."""
+    tr, _ = _tiny_flux(layers=(2, 3))
+    kws = [models.forward_inputs("flux", tr, batch=1, height=h, width=w, seed=7) for h, w in ((32, 32), (48, 32))]
+    refs, outs, _ = _patched_runs(tr, kws)
+    for out, ref in zip(outs, refs):
+        assert_bits_equal(out, ref)
+    assert len(_block_graphs(FLUX_SINGLE_BLOCK)) == 2 and len(_block_graphs(FLUX_BLOCK)) == 2
+
+
+def test_unit_dims_settled_moves_no_element():
+    from exactdit.patches.engine import _unit_dims_settled
+
+    joint = torch.arange(2 * 7 * 5.0).reshape(1, 14, 5)
+    piece = joint[:, 4:9]
+    settled = _unit_dims_settled(piece)
+    assert settled.stride() == (25, 5, 1) and piece.stride() == (70, 5, 1)
+    assert settled.data_ptr() == piece.data_ptr() and torch.equal(settled, piece)
+    column = torch.zeros(3, 1)[:, :1].t()  # size-1 first dim, stride 1
+    assert _unit_dims_settled(column).stride() == (3, 1)
+    contiguous = torch.zeros(1, 4, 5)
+    assert _unit_dims_settled(contiguous) is contiguous and _unit_dims_settled(torch.zeros(4, 5)).stride() == (5, 1)
+
+
 def test_a_block_with_a_graph_break_is_captured_in_parts():
     """A graph break inside a block (its feed-forward calls code Dynamo does not trace): the block
     runs as Dynamo's graphs around the break, each rewritten and fused; equal, listed in the

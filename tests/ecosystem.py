@@ -47,16 +47,34 @@ def write_gguf(tr, folder: str, kind, arch: str) -> str:
     block = gguf.GGML_QUANT_SIZES[kind][0]
     writer = gguf.GGUFWriter(path, arch=arch)
     for key, p in tr.state_dict().items():
-        a = p.float().cpu().numpy()
-        if p.ndim == 2 and in_blocks(key) and a.shape[-1] % block == 0:
-            writer.add_tensor(key, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        if p.ndim == 2 and in_blocks(key) and p.shape[-1] % block == 0:
+            if kind == gguf.GGMLQuantizationType.Q8_0:
+                writer.add_tensor(key, q8_0(p), raw_dtype=kind)
+            else:
+                writer.add_tensor(key, gguf.quants.quantize(p.float().cpu().numpy(), kind), raw_dtype=kind)
         else:
-            writer.add_tensor(key, a.astype(np.float32))
+            writer.add_tensor(key, p.float().cpu().numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def q8_0(w: torch.Tensor):
+    """``gguf.quants.quantize(w, Q8_0)``'s bytes, computed with torch where ``w`` lives (a 12B model's
+    linears in seconds on a GPU instead of minutes of numpy on the host): per block of 32, ``d =
+    max|x| / 127`` and ``round(x * (1 / d))`` half away from zero, all in fp32 as gguf-py (and ggml)
+    do, then ``d`` as fp16 and the 32 int8s."""
+    blocks = w.detach().float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = blocks * inv
+    a = v.abs()
+    whole = a.floor()
+    q = torch.sign(v) * (whole + (2 * (a - whole)).floor())
+    out = torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
+    return out.reshape(w.shape[0], -1).cpu().numpy()
 
 
 def load_gguf(cls, path: str, folder: str):

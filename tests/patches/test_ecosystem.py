@@ -227,6 +227,25 @@ def test_gguf_q8_0(name):
 
 
 @needs_gguf
+def test_q8_0_gives_gguf_pys_bytes():
+    """The benchmark's torch Q8_0 writer against gguf-py's: random rows, a zero block, halves that
+    round away from zero, bf16 weights as the models hold them."""
+    import gguf
+
+    from tests.ecosystem import q8_0
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(7, 96, generator=g) * torch.logspace(-6, 3, 7).unsqueeze(1)
+    w[2, 32:64] = 0
+    w[3, :32] = torch.arange(-16, 16) * 0.5 + 0.25  # max 7.75: x * 127 / 7.75 lands on halves
+    w[4, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -1.5] + [2.5] * 27)
+    for t in (w, w.to(torch.bfloat16)):
+        expected = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        got = q8_0(t)
+        assert got.dtype == expected.dtype and got.shape == expected.shape and (got == expected).all()
+
+
+@needs_gguf
 def test_gguf_with_leaf_level_group_offloading():
     """A GGUF layer with offloading hooks: its hooks are run around the block and its weight is
     dequantized too (it raised), and put back before the offload moves the layer again."""

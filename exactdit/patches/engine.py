@@ -340,7 +340,9 @@ def _map_tensors(value, fn):
         return fn(value)
     if isinstance(value, (tuple, list)):
         items = [_map_tensors(v, fn) for v in value]
-        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # (a namedtuple)
     if isinstance(value, dict):
         items = {k: _map_tensors(v, fn) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items

@@ -548,3 +548,17 @@ def test_a_block_call_that_runs_out_of_memory_runs_eager_once():
         assert_bits_equal(out, ref)
     assert len(runs) == 2  # the second call went through the captured graph again
     assert engine_eager_reasons() == {"engine.FluxTransformer2DModel.FluxTransformerBlock": {engine.OUT_OF_MEMORY: 1}}
+
+
+def test_unit_dims_settled_through_containers():
+    import collections
+
+    from exactdit.patches.engine import _map_tensors, _unit_dims_settled
+
+    Pair = collections.namedtuple("Pair", "cos sin")
+    piece = torch.zeros(1, 14, 5)[:, 4:9]
+    kept = torch.zeros(3)
+    call = ((Pair(piece, kept), [piece]), {"rotary": Pair(kept, kept), "scale": 0.5})
+    (pair, items), kwargs = _map_tensors(call, _unit_dims_settled)
+    assert type(pair) is Pair and pair.cos.stride() == (25, 5, 1) and pair.sin is kept
+    assert items[0].stride() == (25, 5, 1) and kwargs["rotary"] is call[1]["rotary"] and kwargs["scale"] == 0.5

@@ -94,6 +94,16 @@ def first_call_s(tr, kw) -> float:
     return time.perf_counter() - t
 
 
+def settle_graphs(tr, kw) -> None:
+    """The calls a model patched with ``cuda_graphs=True`` makes before its steady state: the first
+    (runs normally), the second (records), and, where its blocks are graphed, the calls that time
+    the forward with and without their graphs (``exactdit.patches.graph_timing``)."""
+    from exactdit.patches import graph_timing
+
+    for _ in range(2 + 2 * graph_timing.SAMPLES + 1):
+        first_call_s(tr, kw)
+
+
 def add_model_args(ap) -> None:
     """The command-line arguments that pick a registered model and one forward's geometry."""
     ap.add_argument("--model", default="flux", help="a name of exactdit.harness.models")

@@ -33,7 +33,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import exactdit  # noqa: E402
 from benchmarks.runner import (append_results, environment, first_call_s, forward_ms,  # noqa: E402
-                               outputs_equal, write_json)
+                               outputs_equal, settle_graphs, write_json)
 from tests.ecosystem import in_blocks, load_gguf, lora_state_dict, to_nf4, write_gguf  # noqa: E402
 
 
@@ -281,6 +281,7 @@ def run_config(name: str, args) -> dict:
               f"fused {row['fused_share']:.0%} in_parts={row['in_parts']} eager={row['engine_eager']}", flush=True)
         if args.graphs:
             exactdit.patch(tr, cuda_graphs=True)
+            settle_graphs(tr, kw)
             ms, out = forward_ms(tr, kw, args.repeat)
             graphed = exactdit.report(show=False).get(f"cuda_graphs.{type(tr).__name__}", {})
             exactdit.unpatch(tr)

@@ -31,7 +31,9 @@ MagCache) are recorded beneath them: the hooks run as Python around the block's 
 recorded, with the reason: blocks captured in parts (Python at their graph breaks) or running
 diffusers' code, blocks with hooks on their layers or torch forward hooks (traced into their
 graph, which would freeze their Python), blocks that write into their inputs, blocks whose GGUF
-weights are dequantized around their call, arguments that are not tensors or plain values.
+weights are dequantized around their call, arguments that are not tensors or plain values. A
+signature's block graphs are timed against its forward without them and kept only if faster
+(:mod:`graph_timing`: the copies in and out cost more than they save where the host keeps up).
 
 Calls run without any graph (counted, with the reason, in ``exactdit.report()``) when a graph could
 not be exact or safe: CPU tensors among the arguments, autograd recording, hooks that move weights
@@ -55,6 +57,7 @@ from exactdit import gate
 from exactdit.device import launch
 from exactdit.patches import engine
 from exactdit.patches import graph_watch
+from exactdit.patches.graph_timing import BlockGraphTimer
 from exactdit.patches.graph_watch import _ModelWatch  # noqa: F401  (tests and benchmarks import it from here)
 from exactdit.patches.engine import _first_line
 
@@ -70,6 +73,7 @@ MAX_GRAPHS = 8
 WHOLE, BLOCKS, NOTHING = "whole forward", "block runs", "nothing"
 FIRST_CALL = "first call of an input signature (recorded after it ran)"
 FIRST_BLOCK_CALL = "first call of a block signature (recorded at its next call)"
+TIMING_CALL = "block runs timed: this call without the block graphs"
 
 
 class _CudaGraphs:
@@ -100,6 +104,10 @@ class _CudaGraphs:
     def failed(self, device) -> None:
         torch.cuda.synchronize(device)
 
+    def clock(self):
+        """An event that times the stream's work (:mod:`graph_timing`)."""
+        return torch.cuda.Event(enable_timing=True)
+
     def reserved(self, device) -> int:
         return torch.cuda.memory_reserved(device)
 
@@ -129,9 +137,10 @@ class _Recorded:
 @dataclasses.dataclass
 class _Blocks:
     """A signature whose forward runs as Python with its block calls graphed; ``why`` the whole
-    forward is not recorded."""
+    forward is not recorded; ``timer``: whether the block graphs pay (:mod:`graph_timing`)."""
 
     why: str
+    timer: BlockGraphTimer | None = None
 
 
 @dataclasses.dataclass
@@ -253,7 +262,7 @@ class GraphedCall:
             self._describe(WHOLE, None)
             return self._replay(recorded, leaves)
         if isinstance(recorded, _Blocks):
-            return self._run_blocks(modes, recorded.why, args, kwargs)
+            return self._run_timed_blocks(modes, recorded, args, kwargs)
         # a new signature: the plain call verifies every region (and compiles), then it is recorded;
         # its block calls are noted as run (verified), should the whole forward not record
         out = self._with_runner(modes, False, args, kwargs)
@@ -279,6 +288,20 @@ class GraphedCall:
         self._describe(BLOCKS, why)
         gate.count_eager(self.name, f"block runs: {why}")
         return self._with_runner(modes, True, args, kwargs)
+
+    def _run_timed_blocks(self, modes: tuple, blocks: _Blocks, args: tuple, kwargs: dict):
+        """Block runs, or the forward without graphs where :mod:`graph_timing` found them slower."""
+        if blocks.timer is None:
+            blocks.timer = BlockGraphTimer(KIND.clock)
+        graphed = blocks.timer.graphed()
+        with blocks.timer.timing(graphed):
+            if graphed:
+                return self._run_blocks(modes, blocks.why, args, kwargs)
+            why = TIMING_CALL if blocks.timer.choice is None else blocks.timer.why_not()
+            if blocks.timer.choice is False:
+                self._describe(NOTHING, why)
+            gate.count_eager(self.name, why)
+            return self.module._call_impl(*args, **kwargs)
 
     def _describe(self, graphed: str, why: str | None) -> None:
         if self.described != (graphed, why):

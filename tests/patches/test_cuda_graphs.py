@@ -204,6 +204,7 @@ class StandInGraphs(cuda_graphs._CudaGraphs):
     """CPU tensors accepted; ``fail``: what a capture raises, by what is recorded ("forward", "block")."""
 
     align = 64  # the CPU allocator's
+    clock = None  # nothing timed: block graphs are always kept
 
     def __init__(self, fail=None):
         self.fail = fail or {}
@@ -895,3 +896,72 @@ def test_arguments_that_require_grad_are_not_graphed(stand_in, fail):
         assert_bits_equal(grad, ref_grad)
     assert kind.captures == []
     assert _entry()["eager_reasons"] == {"autograd is recording (an argument requires grad)": 3}
+
+
+class FakeEvent:
+    """A GPU event stand-in: ``elapsed_time`` gives the milliseconds the test set for the timed call."""
+
+    def __init__(self, now):
+        self.now, self.ms = now, None
+
+    def record(self):
+        self.ms = self.now[0]  # the duration of the call this event ends
+
+    def query(self):
+        return self.ms is not None
+
+    def elapsed_time(self, end):
+        return end.ms
+
+
+def _timed_kind(stand_in, graphs_ms: float, plain_ms: float):
+    """A stand-in whose clock times calls with block graphs at ``graphs_ms`` and without at ``plain_ms``."""
+    kind = stand_in(forward=HOST_COPY)
+    now = [0.0]
+    kind.clock = lambda: FakeEvent(now)
+    replays = cuda_graphs.GraphedCall._run_blocks
+
+    def run_blocks(self, *a, **k):
+        now[0] = graphs_ms
+        return replays(self, *a, **k)
+
+    return kind, now, run_blocks
+
+
+@pytest.mark.parametrize("graphs_ms, plain_ms", [(10.0, 12.0), (12.0, 10.0)])
+def test_block_graphs_are_kept_only_where_they_time_faster(stand_in, monkeypatch, graphs_ms, plain_ms):
+    """Block runs alternate calls with and without their graphs, timed, and keep the faster way
+    after three of each; every call equal to the unpatched model."""
+    from exactdit.patches import graph_timing
+
+    kind, now, run_blocks = _timed_kind(stand_in, graphs_ms, plain_ms)
+    monkeypatch.setattr(cuda_graphs.GraphedCall, "_run_blocks", run_blocks)
+    call = cuda_graphs.GraphedCall._call
+
+    def timed_call(self, *a, **k):
+        now[0] = plain_ms  # (a call with graphs sets its own)
+        return call(self, *a, **k)
+
+    monkeypatch.setattr(cuda_graphs.GraphedCall, "_call", timed_call)
+    tr = _toy()
+    # 1: plain, whole recording fails; 2: blocks recorded (not timed); 3-8 alternate; 9-11 the choice
+    _assert_graphed_calls_equal(tr, [_toy_inputs(s) for s in range(11)])
+    assert 2 * graph_timing.SAMPLES == 6
+    e = _entry()
+    timed = e["eager_reasons"].get(cuda_graphs.TIMING_CALL)
+    assert timed == 3, e
+    if graphs_ms < plain_ms:
+        assert e["graphed"] == "block runs" and _blocks()["fused"] == 3 * (1 + 3 + 3)
+    else:
+        assert e["graphed"] == "nothing" and "timed slower" in e["graphed_why"] and "12.0 against 10.0" in e["graphed_why"]
+        assert _blocks()["fused"] == 3 * (1 + 3) and len(kind.captures) == 3
+
+
+def test_an_untimed_stand_in_keeps_replaying_block_graphs():
+    from exactdit.patches.graph_timing import BlockGraphTimer
+
+    timer = BlockGraphTimer(None)
+    assert all(timer.graphed() for _ in range(10))
+    with timer.timing(True), timer.timing(False):
+        pass
+    assert timer.pending == [] and timer.choice is None

@@ -181,9 +181,12 @@ def append_results(rows: list[dict], source: str) -> str:
     import datetime
     import subprocess
 
+    # EXACTDIT_COMMIT first: the device machine's copy of the tree carries a stale .git (its HEAD
+    # named d55337c for every commit run there on 2026-12-05)
+    commit = os.environ.get("EXACTDIT_COMMIT") or None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=os.path.dirname(__file__)).stdout.strip() or None
     except OSError:
         commit = None
     env = environment()

@@ -62,6 +62,7 @@
 #                    configuration unpatched, eager vs exactdit vs regional compile, capture whole / in parts / eager.
 #                    The full list takes longer than one 10-minute call: split it with ECO_CONFIGS.
 #                    ECO_ARGS="--graphs" adds exactdit with CUDA graphs (LoRA models are graphed too).
+# The device's copy of the tree carries a stale .git: pass EXACTDIT_COMMIT=<hash> for the results rows' commit.
 # diffusers is not on the GPU image: carry its wheel in .whl/ (see BENCHMARKS.md); for ecosystem also torchao
 # 0.17.0, gguf 0.19.0 and bitsandbytes 0.50.2 (the pip download commands are in BENCHMARKS.md).
 set -u

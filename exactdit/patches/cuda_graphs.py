@@ -31,9 +31,8 @@ MagCache) are recorded beneath them: the hooks run as Python around the block's 
 recorded, with the reason: blocks captured in parts (Python at their graph breaks) or running
 diffusers' code, blocks with hooks on their layers or torch forward hooks (traced into their
 graph, which would freeze their Python), blocks that write into their inputs, blocks whose GGUF
-weights are dequantized around their call, arguments that are not tensors or plain values. A
-signature's block graphs are timed against its forward without them and kept only if faster
-(:mod:`graph_timing`: the copies in and out cost more than they save where the host keeps up).
+weights are dequantized around their call, arguments that are not tensors or plain values.
+Block graphs are kept where they time faster than the forward without them (:mod:`graph_timing`).
 
 Calls run without any graph (counted, with the reason, in ``exactdit.report()``) when a graph could
 not be exact or safe: CPU tensors among the arguments, autograd recording, hooks that move weights
@@ -57,7 +56,7 @@ from exactdit import gate
 from exactdit.device import launch
 from exactdit.patches import engine
 from exactdit.patches import graph_watch
-from exactdit.patches.graph_timing import BlockGraphTimer
+from exactdit.patches.graph_timing import BlockGraphTimer, cuda_clock
 from exactdit.patches.graph_watch import _ModelWatch  # noqa: F401  (tests and benchmarks import it from here)
 from exactdit.patches.engine import _first_line
 
@@ -104,9 +103,9 @@ class _CudaGraphs:
     def failed(self, device) -> None:
         torch.cuda.synchronize(device)
 
-    def clock(self):
-        """An event that times the stream's work (:mod:`graph_timing`)."""
-        return torch.cuda.Event(enable_timing=True)
+    def clock(self, device):
+        """What times forwards on ``device`` (:mod:`graph_timing`)."""
+        return cuda_clock(device)
 
     def reserved(self, device) -> int:
         return torch.cuda.memory_reserved(device)
@@ -262,7 +261,7 @@ class GraphedCall:
             self._describe(WHOLE, None)
             return self._replay(recorded, leaves)
         if isinstance(recorded, _Blocks):
-            return self._run_timed_blocks(modes, recorded, args, kwargs)
+            return self._run_timed_blocks(modes, recorded, leaves, args, kwargs)
         # a new signature: the plain call verifies every region (and compiles), then it is recorded;
         # its block calls are noted as run (verified), should the whole forward not record
         out = self._with_runner(modes, False, args, kwargs)
@@ -289,10 +288,11 @@ class GraphedCall:
         gate.count_eager(self.name, f"block runs: {why}")
         return self._with_runner(modes, True, args, kwargs)
 
-    def _run_timed_blocks(self, modes: tuple, blocks: _Blocks, args: tuple, kwargs: dict):
+    def _run_timed_blocks(self, modes: tuple, blocks: _Blocks, leaves: list, args: tuple, kwargs: dict):
         """Block runs, or the forward without graphs where :mod:`graph_timing` found them slower."""
         if blocks.timer is None:
-            blocks.timer = BlockGraphTimer(KIND.clock)
+            device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+            blocks.timer = BlockGraphTimer(KIND.clock and KIND.clock(device))
         graphed = blocks.timer.graphed()
         with blocks.timer.timing(graphed):
             if graphed:

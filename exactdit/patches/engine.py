@@ -267,15 +267,8 @@ OUT_OF_MEMORY = "out of memory in the captured call (this call ran diffusers' co
 
 
 def _compiled(fn, backend) -> tuple:
-    """``fn`` compiled as one graph, and in parts (graph breaks allowed); static shapes, each call's
-    tensors seen with their size-1 dims' strides settled (:func:`_unit_dims_settled`)."""
-    def settled(graphs):
-        def call(*args, **kwargs):
-            args, kwargs = _map_tensors((args, kwargs), _unit_dims_settled)
-            return graphs(*args, **kwargs)
-        return call
-
-    return tuple(settled(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False)) for whole in (True, False))
+    """``fn`` compiled as one graph, and in parts (graph breaks allowed); static shapes."""
+    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False) for whole in (True, False))
 
 
 #: integer tensors of at most this many elements, on the CPU, may be read as constants (IntValues)
@@ -360,21 +353,6 @@ def _values_for_ints(value):
     """``value`` with each integer CPU tensor of at most :data:`INT_VALUES_MAX` elements replaced by its
     :class:`IntValues`; ``value`` itself where there is none."""
     return _map_tensors(value, _int_values)
-
-
-def _unit_dims_settled(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with the stride of each size-1 dim set to what a contiguous layout gives it (a view of
-    the same elements). Dynamo guards on every stride, so with a batch of one Flux's first single
-    block (the double block's contiguous output) and the next ones (slices of a joint sequence) were
-    captured twice, a second capture per resolution (0.8-0.9 s on the H200) for the same memory
-    layout; no element moves, so no kernel and no bit changes."""
-    if type(t) is not torch.Tensor or t.layout != torch.strided or 1 not in t.shape:
-        return t
-    size, stride = t.shape, list(t.stride())
-    for i in reversed(range(len(size))):
-        if size[i] == 1:
-            stride[i] = stride[i + 1] * size[i + 1] if i + 1 < len(size) else 1
-    return t if stride == list(t.stride()) else t.as_strided(size, stride, t.storage_offset())
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -918,7 +918,7 @@ def _timed_kind(stand_in, graphs_ms: float, plain_ms: float):
     """A stand-in whose clock times calls with block graphs at ``graphs_ms`` and without at ``plain_ms``."""
     kind = stand_in(forward=HOST_COPY)
     now = [0.0]
-    kind.clock = lambda: FakeEvent(now)
+    kind.clock = lambda device: (lambda: FakeEvent(now))
     replays = cuda_graphs.GraphedCall._run_blocks
 
     def run_blocks(self, *a, **k):
@@ -965,3 +965,22 @@ def test_an_untimed_stand_in_keeps_replaying_block_graphs():
     with timer.timing(True), timer.timing(False):
         pass
     assert timer.pending == [] and timer.choice is None
+
+
+def test_a_recording_that_raised_leaves_the_next_call_with_graphs_untimed():
+    """The call with graphs that records them is not timed; one that raised recorded nothing, so
+    the next call with graphs (which records) is not timed either."""
+    from exactdit.patches.graph_timing import BlockGraphTimer
+
+    now = [5.0]
+    timer = BlockGraphTimer(lambda: FakeEvent(now))
+    assert timer.graphed()
+    with pytest.raises(RuntimeError):
+        with timer.timing(True):
+            raise RuntimeError("recording failed")
+    with timer.timing(True):  # records: untimed
+        pass
+    assert timer.pending == []
+    with timer.timing(True), timer.timing(False):
+        pass
+    assert [graphed for graphed, _, _ in timer.pending] == [False, True]

@@ -90,33 +90,6 @@ def _block_graphs(label: str) -> list:
     return [g for g in coverage.graphs() if g.name.startswith(label + "#")]
 
 
-def test_a_batch_of_one_captures_each_block_class_once_per_resolution():
-    """With a batch of one, Flux's first single block reads the double blocks' contiguous output and
-    the next ones slices of the joint sequence: the same elements in the same order, strides that
-    differ only on the size-1 batch dim. Each block class is captured once per resolution (Dynamo
-    guarded that stride: a second capture per resolution), and the forward is equal to eager."""
-    tr, _ = _tiny_flux(layers=(2, 3))
-    kws = [models.forward_inputs("flux", tr, batch=1, height=h, width=w, seed=7) for h, w in ((32, 32), (48, 32))]
-    refs, outs, _ = _patched_runs(tr, kws)
-    for out, ref in zip(outs, refs):
-        assert_bits_equal(out, ref)
-    assert len(_block_graphs(FLUX_SINGLE_BLOCK)) == 2 and len(_block_graphs(FLUX_BLOCK)) == 2
-
-
-def test_unit_dims_settled_moves_no_element():
-    from exactdit.patches.engine import _unit_dims_settled
-
-    joint = torch.arange(2 * 7 * 5.0).reshape(1, 14, 5)
-    piece = joint[:, 4:9]
-    settled = _unit_dims_settled(piece)
-    assert settled.stride() == (25, 5, 1) and piece.stride() == (70, 5, 1)
-    assert settled.data_ptr() == piece.data_ptr() and torch.equal(settled, piece)
-    column = torch.zeros(3, 1)[:, :1].t()  # size-1 first dim, stride 1
-    assert _unit_dims_settled(column).stride() == (3, 1)
-    contiguous = torch.zeros(1, 4, 5)
-    assert _unit_dims_settled(contiguous) is contiguous and _unit_dims_settled(torch.zeros(4, 5)).stride() == (5, 1)
-
-
 def test_a_block_with_a_graph_break_is_captured_in_parts():
     """A graph break inside a block (its feed-forward calls code Dynamo does not trace): the block
     runs as Dynamo's graphs around the break, each rewritten and fused; equal, listed in the
@@ -550,15 +523,19 @@ def test_a_block_call_that_runs_out_of_memory_runs_eager_once():
     assert engine_eager_reasons() == {"engine.FluxTransformer2DModel.FluxTransformerBlock": {engine.OUT_OF_MEMORY: 1}}
 
 
-def test_unit_dims_settled_through_containers():
+def test_small_integer_tensors_are_read_as_values_through_containers():
+    """A call's small integer CPU tensors become IntValues wherever they sit (tuples, namedtuples,
+    lists, dicts); containers with nothing to replace are the call's own objects."""
     import collections
 
-    from exactdit.patches.engine import _map_tensors, _unit_dims_settled
+    from exactdit.patches.engine import IntValues, _values_for_ints
 
-    Pair = collections.namedtuple("Pair", "cos sin")
-    piece = torch.zeros(1, 14, 5)[:, 4:9]
-    kept = torch.zeros(3)
-    call = ((Pair(piece, kept), [piece]), {"rotary": Pair(kept, kept), "scale": 0.5})
-    (pair, items), kwargs = _map_tensors(call, _unit_dims_settled)
-    assert type(pair) is Pair and pair.cos.stride() == (25, 5, 1) and pair.sin is kept
-    assert items[0].stride() == (25, 5, 1) and kwargs["rotary"] is call[1]["rotary"] and kwargs["scale"] == 0.5
+    Grid = collections.namedtuple("Grid", "sizes scale")
+    sizes = torch.tensor([[2, 3, 4]])
+    x = torch.zeros(3)
+    call = ((Grid(sizes, 0.5), [x]), {"grid": [sizes], "x": x})
+    (grid, kept), kwargs = _values_for_ints(call)
+    assert type(grid) is Grid and isinstance(grid.sizes, IntValues) and grid.sizes.tolist() == [[2, 3, 4]]
+    assert kept is call[0][1] and kwargs["x"] is x and isinstance(kwargs["grid"][0], IntValues)
+    plain = ((x,), {"x": x})
+    assert _values_for_ints(plain) is plain

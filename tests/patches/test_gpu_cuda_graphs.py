@@ -59,16 +59,22 @@ def test_replays_equal_eager(name):
 
 def _assert_block_runs(tr, signatures, calls_each):
     """Per signature: the first call runs normally, the second records every block call and
-    replays it, later ones replay; nothing else runs a block outside a graph."""
-    from exactdit.patches import engine
+    replays it, then calls alternate without and with the block graphs while they are timed
+    (graph_timing: fewer calls than the choice needs); a block never runs outside a graph in a
+    call with graphs."""
+    from exactdit.patches import engine, graph_timing
 
+    assert calls_each <= 2 * graph_timing.SAMPLES + 1  # (no choice made yet)
+    with_graphs = sum(1 for k in range(2, calls_each + 1) if k % 2 == 0)
     name = type(tr).__name__
     per_forward = len(engine.targets(tr))  # each engine target is called once per forward
     blocks = _stats(f"{name}.blocks")
-    assert blocks["fused"] == signatures * (calls_each - 1) * per_forward and blocks["eager"] == 0, blocks
+    assert blocks["fused"] == signatures * with_graphs * per_forward and blocks["eager"] == 0, blocks
     stats = _stats(name)
     assert stats["graphed"] == "block runs", stats
     assert stats["eager_reasons"][cuda_graphs.FIRST_CALL] == signatures, stats
+    without = calls_each - 1 - with_graphs
+    assert stats["eager_reasons"].get(cuda_graphs.TIMING_CALL, 0) == signatures * without, stats
 
 
 def _mask_cases():

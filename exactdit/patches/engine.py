@@ -326,33 +326,23 @@ def _copied(values):
     return [_copied(v) for v in values] if isinstance(values, list) else values
 
 
-def _map_tensors(value, fn):
-    """``value`` (a tensor, or tuples / lists / dicts of them) with each tensor replaced by ``fn(tensor)``;
-    ``value`` itself where nothing changed (the call's own objects reach the block)."""
+def _values_for_ints(value):
+    """``value`` (a tensor, or tuples / lists / dicts of them) with each integer CPU tensor of at most
+    :data:`INT_VALUES_MAX` elements replaced by its :class:`IntValues`; ``value`` itself where there is none."""
     if isinstance(value, torch.Tensor):
-        return fn(value)
+        if (value.device.type == "cpu" and not value.is_floating_point() and not value.is_complex()
+                and value.dtype != torch.bool and value.numel() <= INT_VALUES_MAX and not value.requires_grad):
+            return IntValues(value.tolist(), tuple(value.shape), value.dtype)
+        return value
     if isinstance(value, (tuple, list)):
-        items = [_map_tensors(v, fn) for v in value]
+        items = [_values_for_ints(v) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # (a namedtuple)
     if isinstance(value, dict):
-        items = {k: _map_tensors(v, fn) for k, v in value.items()}
+        items = {k: _values_for_ints(v) for k, v in value.items()}
         return value if all(items[k] is v for k, v in value.items()) else items
     return value
-
-
-def _int_values(t: torch.Tensor):
-    if (t.device.type == "cpu" and not t.is_floating_point() and not t.is_complex()
-            and t.dtype != torch.bool and t.numel() <= INT_VALUES_MAX and not t.requires_grad):
-        return IntValues(t.tolist(), tuple(t.shape), t.dtype)
-    return t
-
-
-def _values_for_ints(value):
-    """``value`` with each integer CPU tensor of at most :data:`INT_VALUES_MAX` elements replaced by its
-    :class:`IntValues`; ``value`` itself where there is none."""
-    return _map_tensors(value, _int_values)
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

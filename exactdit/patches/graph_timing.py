@@ -75,9 +75,10 @@ class _Timed:
         return self
 
     def __exit__(self, kind, value, tb):
-        if kind is None:
-            self.timer.recorded = self.timer.recorded or self.graphed
-        if self.start is not None and kind is None:
+        if kind is not None:  # (a call that raised is neither timed nor a recording)
+            return False
+        self.timer.recorded = self.timer.recorded or self.graphed
+        if self.start is not None:
             end = self.timer.clock()
             end.record()
             self.timer.pending.append((self.graphed, self.start, end))

@@ -6,6 +6,8 @@ that. The phases, each timed with ``time.perf_counter`` where the engine does th
 
 * ``capture``: Dynamo tracing and AOTAutograd (a Dynamo compile, timed by Dynamo's compile
   start / end callbacks, less the engine's own work inside it);
+* ``specialize``: a graph captured with symbolic sizes traced at a signature's concrete sizes
+  (:mod:`exactdit.engine.specialize`);
 * ``partition``: :func:`exactdit.engine.backend.rewrite` (preparing the graph, choosing regions,
   building the rewritten graph) less kernel source generation;
 * ``codegen``: kernel sources generated from a region's templates, and written and imported;
@@ -36,10 +38,10 @@ import time
 
 from exactdit.state import STATE
 
-PHASES = ("capture", "partition", "codegen", "workers", "compile", "layout", "plans", "verify", "other")
+PHASES = ("capture", "specialize", "partition", "codegen", "workers", "compile", "layout", "plans", "verify", "other")
 #: what each phase counts (shown beside its seconds)
-UNITS = {"capture": "graphs", "partition": "graphs", "codegen": "kernels", "workers": "kernels", "compile": "kernels",
-         "layout": "layouts", "plans": "layouts", "verify": "signatures", "other": "graphs"}
+UNITS = {"capture": "graphs", "specialize": "graphs", "partition": "graphs", "codegen": "kernels", "workers": "kernels",
+         "compile": "kernels", "layout": "layouts", "plans": "layouts", "verify": "signatures", "other": "graphs"}
 
 _account: dict[str, dict[str, list]] = STATE.first_calls
 _lock = threading.Lock()

@@ -25,7 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from exactdit import first_calls
-from exactdit.engine import coverage
+from exactdit.engine import coverage, specialize
 from exactdit.engine.partition import find_regions
 from exactdit.engine.runtime import RegionOp, region_call_target
 
@@ -277,10 +277,19 @@ def _unchanged(gm: fx.GraphModule, example_inputs):
 
 def make_backend(label: str = "graph"):
     """A torch.compile backend that rewrites inference graphs (see the module docstring);
-    ``label`` names its graphs in :func:`exactdit.report`."""
+    ``label`` names its graphs in :func:`exactdit.report`. A graph Dynamo captured with symbolic
+    sizes goes through AOTAutograd at each signature it runs at (:mod:`exactdit.engine.specialize`)."""
     first_calls.install_capture_timer()
     source_headers_only_when_logged()
-    return aot_autograd(fw_compiler=_unchanged, bw_compiler=_unchanged, inference_compiler=compile_graph(label))
+    aot = aot_autograd(fw_compiler=_unchanged, bw_compiler=_unchanged, inference_compiler=compile_graph(label))
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        if specialize.symbolic_positions(example_inputs):
+            first_calls.claim_capture(label)
+            return specialize.PerSignature(gm, example_inputs, label, aot)
+        return aot(gm, example_inputs)
+
+    return backend
 
 
 def source_headers_only_when_logged() -> None:

@@ -35,7 +35,10 @@ the reason. When the class's own forward fails, this holds for all its blocks; w
 block or its layers make it fail, for that block alone, until its hooks change.
 
 With autograd recording the blocks run diffusers' code as well (the fused kernels have no
-backward). Each new input shape captures each block class once more (static shapes); ``patch``
+backward). A block class's first input shape is captured with static sizes; a second shape captures
+it once more with the sizes that changed symbolic (Dynamo's automatic dynamic shapes), and later
+shapes are lowered from that graph without tracing the block's Python again
+(:mod:`exactdit.engine.specialize`: the ATen graph a capture at those sizes gives). ``patch``
 lets Dynamo keep ``RECOMPILE_LIMIT`` graphs per block (raising
 ``torch._dynamo.config.recompile_limit``, a process-wide setting, when it is lower); shapes beyond
 that run diffusers' code, counted, while the shapes already captured stay fused (for a block in
@@ -267,8 +270,10 @@ OUT_OF_MEMORY = "out of memory in the captured call (this call ran diffusers' co
 
 
 def _compiled(fn, backend) -> tuple:
-    """``fn`` compiled as one graph, and in parts (graph breaks allowed); static shapes."""
-    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False) for whole in (True, False))
+    """``fn`` compiled as one graph, and in parts (graph breaks allowed). Dynamo's automatic
+    dynamic shapes: a block's second input shape captures it with the sizes that changed symbolic,
+    and that graph serves every later shape (lowered per shape: :mod:`exactdit.engine.specialize`)."""
+    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=None) for whole in (True, False))
 
 
 #: integer tensors of at most this many elements, on the CPU, may be read as constants (IntValues)

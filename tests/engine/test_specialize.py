@@ -1,0 +1,197 @@
+"""exactdit.engine.specialize: a block Dynamo captured with symbolic sizes (its second input shape)
+is lowered at each later shape without Dynamo tracing its Python again, into the very ATen graph a
+capture at that shape gives, and the forward stays equal to the unpatched one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+import exactdit
+from exactdit import first_calls, state
+from exactdit.engine import backend, specialize
+from exactdit.harness import models
+from exactdit.harness.metrics import outputs_equal
+from exactdit.harness.models import run_forward
+from tests import minis
+from tests.engine_helpers import engine_eager_reasons, uncompile
+
+SMALL, OTHER, THIRD = (32, 32), (48, 64), (64, 96)
+
+
+#: Z-Image pads its token sequence to a multiple of 32: sizes whose padded lengths differ
+SIZES = {"zimage": ((32, 32), (96, 96), (160, 128))}
+
+
+def _harness(name: str):
+    tr = models.build_transformer(name, "tiny", dtype=torch.bfloat16, seed=3)
+    sizes = SIZES.get(name, (SMALL, OTHER, THIRD))
+    return tr, [models.forward_inputs(name, tr, batch=1, height=h, width=w, seed=4) for h, w in sizes]
+
+
+def _mini(name: str, grids):
+    def build():
+        tr = minis.build(name, dtype=torch.bfloat16, seed=3)
+        return tr, [minis.forward_inputs(name, tr, batch=1, seed=4, grid=minis.Grid(*g)) for g in grids]
+    return build
+
+
+#: the production classes of the harness and the minis with a grid: image and video, one and two streams
+CASES = {name: (lambda name=name: _harness(name)) for name in ("flux", "qwen", "wan", "zimage", "ernie", "chroma")}
+CASES.update({
+    "flux2": _mini("flux2", [(1, 4, 4, 7), (1, 6, 8, 7), (1, 8, 12, 7)]),
+    "sd3": _mini("sd3", [(1, 8, 8, 7), (1, 12, 16, 7), (1, 16, 24, 7)]),
+    "hunyuan-video": _mini("hunyuan-video", [(2, 4, 4, 7), (3, 6, 8, 7), (4, 8, 12, 7)]),
+    "ltx-video": _mini("ltx-video", [(2, 4, 4, 7), (3, 6, 8, 7), (4, 8, 12, 7)]),
+})
+FAST = ("flux", "wan")
+
+
+def canonical(gm: fx.GraphModule) -> tuple:
+    """``gm``'s ATen ops in order with their arguments (nodes by position, integer inputs by value)
+    and each result's size, stride and dtype: equal for equal graphs, whatever their node names."""
+    names: dict[fx.Node, object] = {}
+    ops = []
+    tensors = 0
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                names[n], tensors = f"input{tensors}", tensors + 1
+            else:
+                names[n] = val  # an integer input is its value (a static capture holds it as a literal)
+            continue
+        args = fx.map_arg((n.args, n.kwargs), lambda a: names[a])
+        layout = (tuple(val.shape), val.stride(), val.dtype) if isinstance(val, torch.Tensor) else None
+        names[n] = f"node{len(ops)}"
+        ops.append((n.op, str(n.target), repr(args), layout))
+    return tuple(ops)
+
+
+@pytest.fixture
+def lowered(monkeypatch):
+    """The canonical form of every graph the engine rewrites, by block class, as it rewrites them."""
+    seen: dict[str, list] = {}
+    rewrite = backend.rewrite
+
+    def recording(gm, label):
+        seen.setdefault(first_calls.block_of(label), []).append(canonical(gm))
+        return rewrite(gm, label)
+
+    monkeypatch.setattr(backend, "rewrite", recording)
+    return seen
+
+
+def _flat(graphs: dict) -> set:
+    return {(cls, g) for cls, gs in graphs.items() for g in gs}
+
+
+def _phase_count(phase: str) -> int:
+    return first_calls.totals().get(phase, (0.0, 0))[1]
+
+
+def _run_patched(tr, kws):
+    outs = []
+    exactdit.patch(tr)
+    try:
+        for kw in kws:
+            outs.append(run_forward(tr, kw))
+    finally:
+        exactdit.unpatch(tr)
+        uncompile(tr)
+    return outs
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in CASES])
+def test_a_third_shape_is_lowered_into_the_graph_its_own_capture_gives(name, lowered):
+    """Shapes A, B, C: B captures the blocks with symbolic sizes, C is lowered from that capture
+    (no Dynamo capture) into exactly the ATen graphs a first capture at C gives; every forward
+    equal to the unpatched one, nothing run as diffusers' code."""
+    tr, kws = CASES[name]()
+    with torch.no_grad():
+        refs = [run_forward(tr, kw) for kw in kws]
+        state.reset()
+        torch._dynamo.reset()
+        assert outputs_equal(_run_patched(tr, kws[2:])[0], refs[2])  # a fresh capture at C: static
+        static = dict(lowered)
+        lowered.clear()
+        state.reset()
+        exactdit.patch(tr)
+        try:
+            outs = [run_forward(tr, kw) for kw in kws[:2]]
+            captures, lowerings, earlier = _phase_count("capture"), _phase_count("specialize"), _flat(lowered)
+            lowered.clear()
+            outs.append(run_forward(tr, kws[2]))
+        finally:
+            exactdit.unpatch(tr)
+            uncompile(tr)
+    assert _phase_count("capture") == captures, first_calls.lines()  # C: no Dynamo capture, lowerings
+    assert _phase_count("specialize") > lowerings, first_calls.lines()
+    assert lowered and _flat(lowered) <= _flat(static)  # C's lowered graphs are those C's capture gives
+    assert _flat(static) <= _flat(lowered) | earlier  # the rest: blocks whose inputs kept A's or B's sizes
+    assert all(outputs_equal(out, ref) for out, ref in zip(outs, refs))
+    assert engine_eager_reasons() == {}
+
+
+class _Rows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.proj(x)).reshape(-1, 4) * x.shape[1]
+
+
+def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeypatch):
+    """The first shape is captured static, the second symbolic; each signature (the symbolic
+    inputs' sizes) is lowered once and kept; a lowering that fails runs Dynamo's graph (what eager
+    runs), counted with the reason, and the other signatures stay lowered."""
+    lowerings = []
+    make_lowering = backend.aot_autograd
+
+    def failing_at_seven(**kwargs):
+        lower = make_lowering(**kwargs)
+
+        def lowering(gm, args):
+            sizes = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
+            lowerings.append(sizes)
+            if 7 in sizes:
+                raise RuntimeError("cannot lower\nsecond line")
+            return lower(gm, args)
+
+        return lowering
+
+    monkeypatch.setattr(backend, "aot_autograd", failing_at_seven)
+    module = _Rows().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
+    try:
+        with torch.no_grad():
+            for n in (3, 5, 7, 5, 7, 9):
+                x = torch.randn(2, n, 8)
+                assert torch.equal(compiled(x), module(x))
+    finally:
+        torch._dynamo.reset()
+    assert lowerings == [[3], [5], [7], [9]]  # 3: Dynamo's static capture; 5, 7, 9 lowered once each
+    reasons = engine_eager_reasons()
+    assert list(reasons) == ["engine.Rows"], reasons
+    assert reasons["engine.Rows"] == {"not lowered at these sizes: RuntimeError: cannot lower": 2}, reasons
+
+
+def test_a_symbolic_graph_keeps_its_latest_signatures(monkeypatch):
+    """Sizes without end (a service): the oldest lowering goes, and is lowered again if it returns."""
+    lowerings = []
+    real = specialize.PerSignature._lowered
+    monkeypatch.setattr(specialize, "KEPT_SIGNATURES", 2)
+    monkeypatch.setattr(specialize.PerSignature, "_lowered",
+                        lambda self, args: (lowerings.append(args[-1].shape[1]), real(self, args))[1])
+    module = _Rows().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
+    try:
+        with torch.no_grad():
+            for n in (3, 5, 7, 7, 9, 5, 9):
+                x = torch.randn(2, n, 8)
+                assert torch.equal(compiled(x), module(x))
+    finally:
+        torch._dynamo.reset()
+    assert lowerings == [5, 7, 9, 5], lowerings  # 3: static capture; 5 was dropped for 9 and came back

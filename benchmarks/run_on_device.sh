@@ -31,6 +31,8 @@
 #   first-calls      profile_first_call.py with regional compile's first calls in the same process: HunyuanVideo
 #                    544x960x17 then 480x848x33, Flux.1-dev 1024^2 then 768x1360 (cold caches); each first call, the
 #                    seconds until its last kernel compiled (calls do not wait), the second call
+#   new-shapes       profile_first_call.py, HunyuanVideo at 544x960x17, 480x848x33, 368x640x25, 544x960x17 again,
+#                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -145,6 +147,12 @@ for stage in "$@"; do
         --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_hunyuan.log" | grep -E "call:|^first calls"
       timeout 200 python3 benchmarks/models/profile_first_call.py --model flux --config full --resolutions 1024x1024 768x1360 \
         --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_flux.log" | grep -E "call:|^first calls" ;;
+    new-shapes)
+      for mode in ${DYNAMIC_MODES:-first auto static}; do
+        timeout 190 python3 benchmarks/models/profile_first_call.py --mini hunyuan-video --dynamic $mode \
+          --resolutions 544x960x17 480x848x33 368x640x25 544x960x17 2>&1 | grep -v Warn | \
+          tee -a "$OUT/new_shapes_hunyuan.log" | grep -E "call:|^first calls|^built"
+      done ;;
     host)
       timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)

@@ -47,7 +47,14 @@ def parse_args(argv=None):
                     help="cold: exactdit's, Triton's and Inductor's caches in an empty temporary directory")
     ap.add_argument("--compile", action="store_true", help="also diffusers' regional torch.compile's first calls")
     ap.add_argument("--no-eager-warmup", action="store_true", help="skip the eager forward per resolution first")
+    ap.add_argument("--dynamic", choices=["auto", "first", "static"], default="auto",
+                    help="exactdit.patch's dynamic: auto (None: symbolic from a block's second shape), first (True), "
+                         "static (False)")
     return ap.parse_args(argv)
+
+
+#: --dynamic -> exactdit.patch's ``dynamic``
+DYNAMIC = {"auto": None, "first": True, "static": False}
 
 
 def resolutions_of(args) -> list[str]:
@@ -247,7 +254,7 @@ def main(argv=None) -> None:
             print(f"eager {r or 'production'}: {timed_call(tr, kw):.2f} s (warm-up)", flush=True)
 
     t = time.perf_counter()
-    summary = exactdit.patch(tr)
+    summary = exactdit.patch(tr, dynamic=DYNAMIC[args.dynamic])
     patch_s = time.perf_counter() - t
     print(f"patch {patch_s:.2f} s {summary}", flush=True)
     rows = profile_calls(tr, calls, triton)
@@ -261,9 +268,9 @@ def main(argv=None) -> None:
     for r in rows:
         if r["call"] != "first":
             continue
-        order = "first call" if r is rows[0] else "new resolution"
+        order = "first call" if r is rows[0] else f"new resolution {rows.index(r) // 2 + 1}"
         results.append(dict(model_or_op=model, shape=f"{r['resolution']} B={args.batch}", dtype="bf16",
-                            path=f"exactdit {order} ({args.caches} caches), profiled", ms=r["wall_s"] * 1e3, ratio=None,
+                            path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}), profiled", ms=r["wall_s"] * 1e3, ratio=None,
                             ratio_kind=None, equal=None, first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
                             patch_s=patch_s,
                             phases_s={p: round(v[0], 3) for p, v in r["phases"].items()},

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -53,6 +54,19 @@ def _concrete(value):
     return value
 
 
+#: what reads a tensor's value into the graph
+_READS = {"item", "tolist", torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+def value_positions(gm, example_inputs) -> tuple[int, ...]:
+    """The positions of the CPU scalars whose values ``gm`` reads (``.item()``): Dynamo passes a
+    number it captured as a symbol (a float that changed between calls) as a 0-dim CPU tensor."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, (n, v) in enumerate(zip(placeholders, example_inputs))
+                 if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel() == 1
+                 and any(u.target in _READS for u in n.users))
+
+
 def _static_fakes(args) -> list:
     """``args`` with each tensor replaced by a fake of its sizes and strides, in a fake mode with a
     shape environment as Dynamo's (sizes static; an op whose output size follows the data, such as
@@ -61,9 +75,28 @@ def _static_fakes(args) -> list:
     return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def with_values(gm: fx.GraphModule, values: dict[int, object]) -> fx.GraphModule:
+    """A copy of ``gm`` in which each read of the scalar input at position ``i`` (``.item()``) is the
+    constant ``values[i]``, as a static capture holds it."""
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    placeholders = iter(range(len(gm.graph.nodes)))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            position = next(placeholders)
+            env[node] = graph.node_copy(node, lambda a: env[a])
+            if position in values:
+                for read in (u for u in node.users if u.target in _READS):
+                    env[read] = values[position]
+        elif node not in env:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    return fx.GraphModule(gm, graph)
+
+
 class PerSignature:
     """What a Dynamo backend returns for a graph with symbolic sizes: at each new signature (the
-    sizes and strides of the inputs whose sizes are symbolic, the values of symbolic integers) it
+    sizes and strides of the inputs whose sizes are symbolic, the values of symbolic integers and of
+    the scalars the graph reads: :func:`value_positions`) it
     calls ``lower(graph, args)`` (a Dynamo backend: AOTAutograd and the engine) with the call's
     arguments as example inputs; later calls at that signature run what it returned. Only the
     symbolic inputs are read: Dynamo's guards hold everything else."""
@@ -72,22 +105,24 @@ class PerSignature:
         self.gm, self.label, self.lower = gm, label, lower
         for node in gm.graph.nodes:  # Dynamo's unbacked sizes: lowering makes its own (a fresh shape env)
             node.meta.pop("unbacked_bindings", None)
+        self.values = value_positions(gm, example_inputs)
         self.positions = symbolic_positions(example_inputs)
         self.lowered: dict[tuple, object] = {}
 
     def __call__(self, *args):
-        key = tuple(_concrete(args[i]) for i in self.positions)
+        values = {i: args[i].item() for i in self.values}
+        key = tuple(_concrete(args[i]) for i in self.positions) + tuple(values.values())
         run = self.lowered.get(key)
         if run is None:
             if len(self.lowered) >= KEPT_SIGNATURES:  # the oldest goes (lowered again if it comes back)
                 del self.lowered[next(iter(self.lowered))]
             with first_calls.phase("specialize", self.label):
-                run = self.lowered[key] = self._lowered(args)
+                run = self.lowered[key] = self._lowered(args, values)
         return run(*args)
 
-    def _lowered(self, args):
+    def _lowered(self, args, values: dict):
         try:
-            return self.lower(self.gm, _static_fakes(args))
+            return self.lower(with_values(self.gm, values) if values else self.gm, _static_fakes(args))
         except Exception as e:  # noqa: BLE001 - Dynamo's graph of torch calls still runs what eager runs
             why = f"not lowered at these sizes: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("exactdit: %s %s", self.label, why)

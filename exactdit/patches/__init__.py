@@ -48,7 +48,7 @@ def _what_it_has(pipe) -> str:
     return f" (its models: {', '.join(models)})" if models else " (it holds no model)"
 
 
-def patch(obj, *, cuda_graphs: bool = False) -> dict:
+def patch(obj, *, cuda_graphs: bool = False, dynamic: bool | None = None) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
     ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
@@ -57,10 +57,17 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
     each one's.
     ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
     signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``False`` turns that mode off
-    on a model patched with it; ``summary["cuda_graphs"]`` says whether the mode is on."""
+    on a model patched with it; ``summary["cuda_graphs"]`` says whether the mode is on.
+    ``dynamic``, as torch.compile's: None (default), a block class's second input shape (a new
+    resolution) is captured with the sizes that changed symbolic and every later shape is lowered
+    from that capture without tracing the model's Python again; True, the same from the first call
+    (a slower first call, a faster second resolution); False, every new shape is captured again.
+    The bits are the same in all three."""
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"exactdit.patch: cuda_graphs must be True or False, got {cuda_graphs!r}")
-    summaries = [_patch_one(model, cuda_graphs) for model in _transformers(obj)]
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"exactdit.patch: dynamic must be None, True or False, got {dynamic!r}")
+    summaries = [_patch_one(model, cuda_graphs, dynamic) for model in _transformers(obj)]
     if len(summaries) == 1:
         return summaries[0]
     modules: dict[str, int] = {}
@@ -71,8 +78,8 @@ def patch(obj, *, cuda_graphs: bool = False) -> dict:
             "models": dict(zip(TRANSFORMERS, summaries))}
 
 
-def _patch_one(model, cuda_graphs: bool) -> dict:
-    summary = engine.patch_transformer(model)
+def _patch_one(model, cuda_graphs: bool, dynamic: bool | None) -> dict:
+    summary = engine.patch_transformer(model, dynamic)
     if not summary["patched"]:
         warnings.warn(f"exactdit.patch: left {type(model).__name__} unpatched: {summary['reason']}", stacklevel=3)
     if cuda_graphs:

@@ -140,10 +140,10 @@ class EngineCall:
     """A module's compiled call (set as ``_compiled_call_impl``), falling back to the module's
     own call where the engine cannot run."""
 
-    def __init__(self, module: torch.nn.Module, label: str):
+    def __init__(self, module: torch.nn.Module, label: str, dynamic: bool | None = None):
         from exactdit.engine import make_backend
 
-        self.module = module
+        self.module, self.dynamic = module, dynamic
         #: why this block alone cannot be captured whole / at all, with the hooks it had then (see _run)
         self.in_parts: tuple[str, tuple] | None = None
         self.failed: tuple[str, tuple] | None = None
@@ -152,7 +152,7 @@ class EngineCall:
             if label not in _states:
                 _states[label] = _ClassState(label).counting_backend(make_backend(label))
             self.state = _states[label]
-        self.compiled, self.parts = _compiled(module._call_impl, self.state.backend)
+        self.compiled, self.parts = _compiled(module._call_impl, self.state.backend, dynamic)
 
     def __call__(self, *args, **kwargs):
         if _capture_inside_hooks(self):
@@ -184,6 +184,8 @@ class EngineCall:
             return eager(*args, **kwargs)
         if in_parts is not None:
             return self._run_in_parts(parts, eager, *args, **kwargs)
+        if self.dynamic and not state.graphs:
+            _sizes_symbolic((args, kwargs))
         try:
             if state.values_as_constants:
                 return compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
@@ -269,11 +271,25 @@ class EngineCall:
 OUT_OF_MEMORY = "out of memory in the captured call (this call ran diffusers' code)"
 
 
-def _compiled(fn, backend) -> tuple:
-    """``fn`` compiled as one graph, and in parts (graph breaks allowed). Dynamo's automatic
-    dynamic shapes: a block's second input shape captures it with the sizes that changed symbolic,
-    and that graph serves every later shape (lowered per shape: :mod:`exactdit.engine.specialize`)."""
-    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=None) for whole in (True, False))
+def _compiled(fn, backend, dynamic: bool | None) -> tuple:
+    """``fn`` compiled as one graph, and in parts (graph breaks allowed). ``dynamic`` (``patch``'s):
+    None, Dynamo's automatic dynamic shapes (a block's second input shape captures it with the
+    sizes that changed symbolic, and that graph serves every later shape, lowered per shape by
+    :mod:`exactdit.engine.specialize`); True, the same from the first call (:func:`_sizes_symbolic`);
+    False, each input shape captured static."""
+    return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False if dynamic is False else None)
+                 for whole in (True, False))
+
+
+def _sizes_symbolic(values) -> None:
+    """Ask Dynamo to capture every size but the last of each tensor in ``values`` (nested) as a
+    symbol, where the block allows (``maybe_mark_dynamic``: a size the block's code fixes stays a
+    constant; sizes 0 and 1 always do). The last is the feature size, which the weights fix."""
+    for value in torch.utils._pytree.tree_leaves(values):
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            for dim in range(value.dim() - 1):
+                if value.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
 #: integer tensors of at most this many elements, on the CPU, may be read as constants (IntValues)
@@ -377,12 +393,15 @@ class InnerCall:
     forward again."""
 
     def __init__(self, owner: EngineCall, forward):
-        self.owner, self.forward = owner, forward
-        self.compiled, self.parts = _compiled(forward, owner.state.backend)
+        self.owner, self.forward, self.dynamic = owner, forward, owner.dynamic
+        self.compiled, self.parts = _compiled(forward, owner.state.backend, owner.dynamic)
 
     def __call__(self, *args, **kwargs):
         if getattr(self.owner.module, "_compiled_call_impl", None) is not self.owner:
             return self.forward(*args, **kwargs)
+        if self.dynamic is not self.owner.dynamic:  # patched again with another ``dynamic``
+            self.dynamic = self.owner.dynamic
+            self.compiled, self.parts = _compiled(self.forward, self.owner.state.backend, self.dynamic)
         with _hoisted_layer_hooks(self.owner.module):  # inside the block's own hooks, as unpatched
             return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
 
@@ -533,7 +552,7 @@ def why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def patch_transformer(model: torch.nn.Module) -> dict:
+def patch_transformer(model: torch.nn.Module, dynamic: bool | None = None) -> dict:
     reason = why_not(model)
     if reason is not None:
         return {"patched": False, "reason": reason}
@@ -544,8 +563,11 @@ def patch_transformer(model: torch.nn.Module) -> dict:
     compiled = set()
     for cls, module in targets(model):
         current = getattr(module, "_compiled_call_impl", None)
-        if not isinstance(current, EngineCall):
-            module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}")
+        if isinstance(current, EngineCall) and current.dynamic is not dynamic:
+            current.dynamic = dynamic
+            current.compiled, current.parts = _compiled(module._call_impl, current.state.backend, dynamic)
+        elif not isinstance(current, EngineCall):
+            module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}", dynamic)
             module._compiled_call_impl.previous = current  # (unpatch gives a user's compile back)
             if current is not None:
                 compiled.add(cls)

@@ -184,7 +184,7 @@ def test_a_symbolic_graph_keeps_its_latest_signatures(monkeypatch):
     real = specialize.PerSignature._lowered
     monkeypatch.setattr(specialize, "KEPT_SIGNATURES", 2)
     monkeypatch.setattr(specialize.PerSignature, "_lowered",
-                        lambda self, args: (lowerings.append(args[-1].shape[1]), real(self, args))[1])
+                        lambda self, args, values: (lowerings.append(args[-1].shape[1]), real(self, args, values))[1])
     module = _Rows().eval()
     compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
     try:
@@ -195,3 +195,33 @@ def test_a_symbolic_graph_keeps_its_latest_signatures(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert lowerings == [5, 7, 9, 5], lowerings  # 3: static capture; 5 was dropped for 9 and came back
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-5
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps) * 3
+
+
+def test_a_number_captured_as_a_symbol_is_a_constant_of_each_lowering(monkeypatch):
+    """A float that changed between calls (a norm's eps) is captured as a symbol, passed as a CPU
+    scalar the graph reads: each value is lowered as its own signature, its value a constant, as
+    a static capture holds it; every call equal to eager."""
+    module = _Normed().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("Normed"), fullgraph=True, dynamic=None)
+    graphs = []
+    real = specialize.PerSignature._lowered
+    monkeypatch.setattr(specialize.PerSignature, "_lowered",
+                        lambda self, args, values: (graphs.append(dict(values)), real(self, args, values))[1])
+    try:
+        with torch.no_grad():
+            for n, eps in ((3, 1e-5), (5, 1e-2), (7, 1e-5), (7, 0.5), (7, 1e-5)):
+                module.eps = eps
+                x = torch.randn(2, n, 8) * 0.1
+                assert torch.equal(compiled(x), module(x)), (n, eps)
+    finally:
+        torch._dynamo.reset()
+    assert [list(v.values()) for v in graphs] == [[1e-2], [1e-5], [0.5]], graphs

@@ -101,3 +101,44 @@ def test_blocks_compiled_before_patching_get_their_compile_back():
     assert block._compiled_call_impl is not before
     exactdit.unpatch(tr)
     assert block._compiled_call_impl is before
+
+
+def test_patch_takes_dynamic_as_torch_compile_does():
+    with pytest.raises(TypeError, match=r"^exactdit\.patch: dynamic must be None, True or False, got 'auto'$"):
+        exactdit.patch(torch.nn.Linear(2, 2), dynamic="auto")
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_chooses_when_blocks_are_captured_with_symbolic_sizes(dynamic):
+    """True: the first call captures each block class with symbolic sizes, and new resolutions are
+    lowered from it (no capture); False: every new resolution is captured again, nothing lowered.
+    Equal to the unpatched forward either way; patching again with the other value switches."""
+    from exactdit import first_calls, state
+    from tests.engine_helpers import engine_eager_reasons, uncompile
+
+    def count(phase):
+        return first_calls.totals().get(phase, (0.0, 0))[1]
+
+    tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
+    kws = [models.forward_inputs("flux", tr, batch=1, height=h, width=w, seed=7) for h, w in ((32, 32), (48, 64), (64, 32))]
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in kws]
+        state.reset()
+        torch._dynamo.reset()
+        exactdit.patch(tr, dynamic=not dynamic)
+        exactdit.patch(tr, dynamic=dynamic)  # the latest wins
+        try:
+            outs, counts = [], []
+            for kw in kws:
+                outs.append(tr(**kw, return_dict=False)[0])
+                counts.append((count("capture"), count("specialize")))
+        finally:
+            exactdit.unpatch(tr)
+            uncompile(tr)
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+    assert engine_eager_reasons() == {}
+    captures, lowerings = zip(*counts)
+    if dynamic:  # the first call captures (symbolic) and lowers; the others only lower
+        assert captures[0] == captures[1] == captures[2] > 0 and 0 < lowerings[0] < lowerings[1] < lowerings[2], counts
+    else:
+        assert 0 < captures[0] < captures[1] < captures[2] and lowerings == (0, 0, 0), counts

@@ -186,6 +186,14 @@ def _op_stats(name: str) -> _OpStats:
     return st
 
 
+def forget(prefix: str) -> None:
+    """Drop the state of every op whose name starts with ``prefix`` (a graph that is gone: its
+    regions' counters, verified and disabled signatures, launch plans)."""
+    with _lock:
+        for name in [n for n in _stats if n.startswith(prefix)]:
+            del _stats[name]
+
+
 def waits_for_kernels() -> bool:
     """Whether an unverified signature whose kernels are still compiling waits for them (inside
     :func:`waiting_for_kernels`, or with ``EXACTDIT_WAIT_FOR_KERNELS=1``) instead of running eager."""

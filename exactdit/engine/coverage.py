@@ -95,6 +95,13 @@ def register(report: GraphReport) -> None:
         _graphs.append(report)
 
 
+def forget(names) -> None:
+    """Drop the reports of the graphs ``names`` (graphs that are gone)."""
+    names = set(names)
+    with _lock:
+        _graphs[:] = [g for g in _graphs if g.name not in names]
+
+
 def graphs() -> list[GraphReport]:
     with _lock:
         return list(_graphs)

@@ -19,6 +19,7 @@ CPU after the symbolic capture (which costs about 1.5 static ones).
 from __future__ import annotations
 
 import logging
+import struct
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from exactdit import first_calls, gate
+from exactdit.engine import coverage
 
 logger = logging.getLogger("exactdit")
 
@@ -46,6 +48,11 @@ def _symbolic(value) -> bool:
 def symbolic_positions(example_inputs) -> tuple[int, ...]:
     """The positions of a graph's inputs whose size (or value, for an integer) is symbolic."""
     return tuple(i for i, v in enumerate(example_inputs) if _symbolic(v))
+
+
+def _value_key(value):
+    """A scalar's value as a key: a float by its bits (``0.0 == -0.0``, and NaN equals nothing)."""
+    return struct.pack("<d", value) if isinstance(value, float) else value
 
 
 def _concrete(value):
@@ -107,18 +114,32 @@ class PerSignature:
             node.meta.pop("unbacked_bindings", None)
         self.values = value_positions(gm, example_inputs)
         self.positions = symbolic_positions(example_inputs)
-        self.lowered: dict[tuple, object] = {}
+        #: key -> (the lowered callable, the names of the graphs it registered)
+        self.lowered: dict[tuple, tuple] = {}
+        #: called after each new signature is lowered (what a new capture is for a static graph)
+        self.on_new_signature = None
 
     def __call__(self, *args):
         values = {i: args[i].item() for i in self.values}
-        key = tuple(_concrete(args[i]) for i in self.positions) + tuple(values.values())
-        run = self.lowered.get(key)
-        if run is None:
+        key = tuple(_concrete(args[i]) for i in self.positions) + tuple(map(_value_key, values.values()))
+        entry = self.lowered.get(key)
+        if entry is None:
             if len(self.lowered) >= KEPT_SIGNATURES:  # the oldest goes (lowered again if it comes back)
-                del self.lowered[next(iter(self.lowered))]
+                self._forget(self.lowered.pop(next(iter(self.lowered)))[1])
+            known = {g.name for g in coverage.graphs()}
             with first_calls.phase("specialize", self.label):
-                run = self.lowered[key] = self._lowered(args, values)
-        return run(*args)
+                run = self._lowered(args, values)
+            entry = self.lowered[key] = (run, [g.name for g in coverage.graphs() if g.name not in known])
+            if self.on_new_signature is not None:
+                self.on_new_signature()
+        return entry[0](*args)
+
+    @staticmethod
+    def _forget(graphs: list[str]) -> None:
+        """What the process kept of a dropped lowering's graphs: their reports and their regions' gate state."""
+        coverage.forget(graphs)
+        for name in graphs:
+            gate.forget(name + ".")
 
     def _lowered(self, args, values: dict):
         try:

@@ -90,7 +90,7 @@ class _ClassState:
     #: the class's blocks read small integer CPU tensors' values (``.tolist()``) into shapes: calls
     #: pass those values (:class:`IntValues`) instead, Dynamo capturing them as guarded constants
     values_as_constants: bool = False
-    graphs: int = 0  # graphs Dynamo captured for this class (whole or in parts)
+    graphs: int = 0  # graphs Dynamo captured for this class (whole or in parts), and signatures lowered
     runs: int = 0  # calls of those graphs
     recaptures: int = 0  # calls of its blocks in parts that captured anew for a signature the block had run
 
@@ -100,6 +100,8 @@ class _ClassState:
         def backend(gm, example_inputs):
             self.graphs += 1
             compiled = engine_backend(gm, example_inputs)
+            if hasattr(compiled, "on_new_signature"):  # symbolic: each signature it lowers counts as a graph
+                compiled.on_new_signature = self._count_graph
             first = [True]
 
             def run(*args):
@@ -115,6 +117,9 @@ class _ClassState:
 
         self.backend = backend
         return self
+
+    def _count_graph(self) -> None:
+        self.graphs += 1
 
 
 #: block class -> its capture state (kept in the process state: exactdit.state.reset() clears it)

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 import exactdit
 from exactdit import first_calls, state
-from exactdit.engine import backend, specialize
+from exactdit.engine import backend, coverage, specialize
 from exactdit.harness import models
 from exactdit.harness.metrics import outputs_equal
 from exactdit.harness.models import run_forward
@@ -140,7 +140,8 @@ class _Rows(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return torch.nn.functional.gelu(self.proj(x)).reshape(-1, 4) * x.shape[1]
+        y = self.proj(x)
+        return (y * torch.sigmoid(y) + x).reshape(-1, 4) * x.shape[1]  # a region: sigmoid, mul, add
 
 
 def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeypatch):
@@ -225,3 +226,36 @@ def test_a_number_captured_as_a_symbol_is_a_constant_of_each_lowering(monkeypatc
     finally:
         torch._dynamo.reset()
     assert [list(v.values()) for v in graphs] == [[1e-2], [1e-5], [0.5]], graphs
+
+
+def test_a_float_is_keyed_by_its_bits():
+    """-0.0 == 0.0 in Python, not in the bits of ``1 / (x * s)``: each is its own signature."""
+    def f(x, s):
+        return 1 / (x * s)
+
+    compiled = torch.compile(f, backend=backend.make_backend("Reciprocal"), fullgraph=True, dynamic=None)
+    try:
+        for n, s in ((3, 0.5), (5, 0.25), (7, 0.0), (7, -0.0), (7, 0.0)):
+            x = torch.rand(n) + 1
+            assert torch.equal(compiled(x, s), f(x, s)), (n, s)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_dropped_signature_leaves_no_reports_or_gate_state(monkeypatch):
+    """Sizes without end: what the process keeps of a symbolic graph's lowerings (coverage reports,
+    the regions' gate state) stays bounded by the signatures kept."""
+    monkeypatch.setattr(specialize, "KEPT_SIGNATURES", 2)
+    module = _Rows().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
+    try:
+        with torch.no_grad():
+            for n in range(3, 12):
+                x = torch.randn(2, n, 8)
+                assert torch.equal(compiled(x), module(x))
+    finally:
+        torch._dynamo.reset()
+    graphs = [g.name for g in coverage.graphs() if g.name.startswith("Rows#")]
+    assert len(graphs) == 3, graphs  # the static capture and the 2 signatures kept
+    ops = {name.split(".r", 1)[0] for name in state.STATE.signatures if name.startswith("Rows#")}
+    assert ops and ops <= set(graphs), (ops, graphs)

@@ -287,12 +287,12 @@ def _compiled(fn, backend, dynamic: bool | None) -> tuple:
 
 
 def _sizes_symbolic(values) -> None:
-    """Ask Dynamo to capture every size but the last of each tensor in ``values`` (nested) as a
-    symbol, where the block allows (``maybe_mark_dynamic``: a size the block's code fixes stays a
-    constant; sizes 0 and 1 always do). The last is the feature size, which the weights fix."""
+    """Ask Dynamo to capture every size of each tensor in ``values`` (nested) as a symbol, where the
+    block allows (``maybe_mark_dynamic``: a size the block's code or weights fix, such as a feature
+    size, stays a constant; sizes 0 and 1 always do)."""
     for value in torch.utils._pytree.tree_leaves(values):
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            for dim in range(value.dim() - 1):
+            for dim in range(value.dim()):
                 if value.shape[dim] > 1:
                     torch._dynamo.maybe_mark_dynamic(value, dim)
 

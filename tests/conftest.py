@@ -29,6 +29,7 @@ tests/device/test_compile_for_gpu.py::test_engine_kernels_compile_without_flush_
 tests/device/test_compile_for_gpu.py::test_mini_model_kernels_compile
 tests/device/test_numerics.py::test_dtype_ops_equal_eager_ops
 tests/patches/test_engine_blocks.py::test_a_block_with_a_graph_break_is_captured_in_parts
+tests/patches/test_engine_blocks.py::test_a_block_in_parts_comes_back_to_resolutions_it_ran_and_stays_fused
 tests/patches/test_engine_blocks.py::test_caches_on_blocks_run_with_the_blocks_captured
 tests/engine/test_captured_models.py::test_captured_blocks_equal_cuda_order
 tests/engine/test_templates.py::test_decomposed_rms_norm

@@ -47,6 +47,7 @@ parts, Dynamo runs such a part as Python, uncounted).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -60,6 +61,7 @@ from exactdit.device import compile_workers, launch
 from exactdit.engine import coverage
 from exactdit.engine import capture
 from exactdit.patches import diffusers_internals
+from exactdit.patches.int_values import values_for_ints
 from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
@@ -92,6 +94,7 @@ class _ClassState:
     values_as_constants: bool = False
     graphs: int = 0  # graphs Dynamo captured for this class (whole or in parts), and signatures lowered
     runs: int = 0  # calls of those graphs
+    signatures: set = dataclasses.field(default_factory=set)  # sizes and strides of those graphs' tensors
     recaptures: int = 0  # calls of its blocks in parts that captured anew for a signature the block had run
 
     def counting_backend(self, engine_backend):
@@ -102,6 +105,8 @@ class _ClassState:
             compiled = engine_backend(gm, example_inputs)
             if hasattr(compiled, "on_new_signature"):  # symbolic: each signature it lowers counts as a graph
                 compiled.on_new_signature = self._count_graph
+            else:
+                self.signatures.add(_tensor_signature(example_inputs))
             first = [True]
 
             def run(*args):
@@ -118,8 +123,17 @@ class _ClassState:
         self.backend = backend
         return self
 
-    def _count_graph(self) -> None:
-        self.graphs += 1
+    def _count_graph(self, args) -> None:
+        """A symbolic graph lowered a signature: a new graph where no graph of the class had it (a
+        lowering at a resolution a static graph served, or one dropped and lowered again, is not)."""
+        signature = _tensor_signature(args)
+        if signature not in self.signatures:
+            self.signatures.add(signature)
+            self.graphs += 1
+
+
+def _tensor_signature(args) -> tuple:
+    return tuple((tuple(a.shape), a.stride()) for a in args if isinstance(a, torch.Tensor))
 
 
 #: block class -> its capture state (kept in the process state: exactdit.state.reset() clears it)
@@ -189,12 +203,12 @@ class EngineCall:
             return eager(*args, **kwargs)
         if in_parts is not None:
             return self._run_in_parts(parts, eager, *args, **kwargs)
-        if self.dynamic and not state.graphs:
-            _sizes_symbolic((args, kwargs))
+        marks = _sizes_symbolic((args, kwargs)) if self.dynamic and not state.graphs else contextlib.nullcontext()
         try:
-            if state.values_as_constants:
-                return compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
-            return compiled(*args, **kwargs)
+            with marks:
+                if state.values_as_constants:
+                    return compiled(*values_for_ints(args), **values_for_ints(kwargs))
+                return compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture whole still runs
             if isinstance(e, torch.OutOfMemoryError):  # this call's, not the block's: eager runs it (or fails)
                 gate.count_eager(f"engine.{state.label}", OUT_OF_MEMORY)
@@ -207,9 +221,9 @@ class EngineCall:
                 return eager(*args, **kwargs)
             why = f"{type(e).__name__}: {_first_line(e)}"
             call = (args, kwargs)
-            if not state.values_as_constants and "data-dependent" in why and _values_for_ints(call) is not call:
+            if not state.values_as_constants and "data-dependent" in why and values_for_ints(call) is not call:
                 try:  # shapes computed from a small integer tensor's values: capture those values as constants
-                    out = compiled(*_values_for_ints(args), **_values_for_ints(kwargs))
+                    out = compiled(*values_for_ints(args), **values_for_ints(kwargs))
                 except Exception:  # noqa: BLE001 - not that: the first reason stands
                     pass
                 else:
@@ -286,89 +300,35 @@ def _compiled(fn, backend, dynamic: bool | None) -> tuple:
                  for whole in (True, False))
 
 
-def _sizes_symbolic(values) -> None:
-    """Ask Dynamo to capture every size of each tensor in ``values`` (nested) as a symbol, where the
-    block allows (``maybe_mark_dynamic``: a size the block's code or weights fix, such as a feature
-    size, stays a constant; sizes 0 and 1 always do)."""
+#: what ``maybe_mark_dynamic`` sets on a tensor
+_MARKS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def _sizes_symbolic(values):
+    """Within: Dynamo is asked to capture every size of each plain tensor in ``values`` (nested) as a
+    symbol, where the block allows (``maybe_mark_dynamic``: a size the block's code or weights fix,
+    such as a feature size, stays a constant; sizes 0 and 1 always do). The marks are the caller's
+    tensors' attributes: each tensor's own are put back after (a user's compile must not see them)."""
+    saved = []
     for value in torch.utils._pytree.tree_leaves(values):
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        if type(value) is torch.Tensor:
+            before = {k: value.__dict__[k] for k in _MARKS if k in value.__dict__}
+            saved.append((value, before))
+            if "_dynamo_weak_dynamic_indices" in before:  # marked by its owner: add to a copy
+                value._dynamo_weak_dynamic_indices = set(before["_dynamo_weak_dynamic_indices"])
             for dim in range(value.dim()):
                 if value.shape[dim] > 1:
                     torch._dynamo.maybe_mark_dynamic(value, dim)
-
-
-#: integer tensors of at most this many elements, on the CPU, may be read as constants (IntValues)
-INT_VALUES_MAX = 64
-
-
-class IntValues:
-    """A small integer CPU tensor's values, standing in for it in a block's captured call where the
-    block computes shapes from them: WanAnimate2's ``rope_apply`` reads its ``grid_sizes`` tensor with
-    ``.tolist()`` and slices by the products, which Dynamo cannot capture from a tensor (the values
-    become unbacked symbols and ``freqs[0][:f]`` needs a guard on them: "Could not guard on
-    data-dependent expression"). Handed these instead, Dynamo reads the values as constants and
-    guards on each (other values capture again), and the graph is what eager runs for them. Only
-    reads are modelled (``tolist``, ``item``, indexing, iteration, ``len``, ``shape``, ``dim``,
-    ``numel``, ``dtype``); any other use fails the capture, and the block runs as it would without
-    (in parts). Used only for classes whose capture with the tensors failed on data-dependent shapes."""
-
-    def __init__(self, values, shape: tuple, dtype: torch.dtype):
-        self.values, self.shape, self.dtype = values, torch.Size(shape), dtype
-
-    def tolist(self):
-        return _copied(self.values)
-
-    def item(self):
-        if self.shape.numel() != 1:
-            raise RuntimeError(f"a Tensor with {self.shape.numel()} elements cannot be converted to Scalar")
-        value = self.values
-        while isinstance(value, list):
-            value = value[0]
-        return value
-
-    def __getitem__(self, i):
-        if not self.shape:
-            raise IndexError("invalid index of a 0-dim tensor")
-        if not isinstance(i, int):
-            raise TypeError("IntValues: only integer indexing is modelled")
-        return IntValues(self.values[i], tuple(self.shape[1:]), self.dtype)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __len__(self):
-        if not self.shape:
-            raise TypeError("len() of a 0-d tensor")
-        return self.shape[0]
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-def _copied(values):
-    return [_copied(v) for v in values] if isinstance(values, list) else values
-
-
-def _values_for_ints(value):
-    """``value`` (a tensor, or tuples / lists / dicts of them) with each integer CPU tensor of at most
-    :data:`INT_VALUES_MAX` elements replaced by its :class:`IntValues`; ``value`` itself where there is none."""
-    if isinstance(value, torch.Tensor):
-        if (value.device.type == "cpu" and not value.is_floating_point() and not value.is_complex()
-                and value.dtype != torch.bool and value.numel() <= INT_VALUES_MAX and not value.requires_grad):
-            return IntValues(value.tolist(), tuple(value.shape), value.dtype)
-        return value
-    if isinstance(value, (tuple, list)):
-        items = [_values_for_ints(v) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # (a namedtuple)
-    if isinstance(value, dict):
-        items = {k: _values_for_ints(v) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
-    return value
+    try:
+        yield
+    finally:
+        for value, before in saved:
+            for k in _MARKS:
+                if k in before:
+                    setattr(value, k, before[k])
+                else:
+                    value.__dict__.pop(k, None)
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

@@ -170,10 +170,10 @@ def test_a_block_computing_shapes_from_an_integer_tensor_is_captured_whole():
 
 
 def test_int_values_read_as_the_tensor_reads():
-    from exactdit.patches.engine import IntValues, _values_for_ints
+    from exactdit.patches.int_values import IntValues, values_for_ints
 
     t = torch.tensor([[2, 3, 4], [5, 6, 7]])
-    v = _values_for_ints(t)
+    v = values_for_ints(t)
     assert isinstance(v, IntValues) and v.tolist() == t.tolist() and v.tolist() is not v.values
     assert v[1].tolist() == t[1].tolist() and v[1][2].item() == t[1][2].item() and [r.tolist() for r in v] == t.tolist()
     assert (v.shape, v.dim(), v.numel(), len(v), v.dtype) == (t.shape, t.dim(), t.numel(), len(t), t.dtype)
@@ -183,7 +183,7 @@ def test_int_values_read_as_the_tensor_reads():
         v.float()  # only reads are modelled: a capture using the tensor otherwise fails
     floats, big, flags = torch.ones(3), torch.arange(65), torch.tensor([True])
     args = (floats, big, flags, "x")
-    assert _values_for_ints(args) is args and _values_for_ints({"a": args}) is not None
+    assert values_for_ints(args) is args and values_for_ints({"a": args}) is not None
 
 
 PRODUCTION = [name for name, m in minis.MINIS.items() if m.production is not None]

@@ -142,3 +142,26 @@ def test_dynamic_chooses_when_blocks_are_captured_with_symbolic_sizes(dynamic):
         assert captures[0] == captures[1] == captures[2] > 0 and 0 < lowerings[0] < lowerings[1] < lowerings[2], counts
     else:
         assert 0 < captures[0] < captures[1] < captures[2] and lowerings == (0, 0, 0), counts
+
+
+def test_dynamic_leaves_no_marks_on_the_callers_tensors():
+    """``dynamic=True`` marks the sizes of the blocks' inputs for the first capture only: a tensor
+    the caller passes in (HunyuanVideo's blocks take the text states as given) carries no marks
+    after, and marks of its own are as they were."""
+    from tests import minis
+    from tests.engine_helpers import uncompile
+
+    tr = minis.build("hunyuan-video", dtype=torch.float32, seed=4)
+    kw = minis.forward_inputs("hunyuan-video", tr, batch=2, seed=5)
+    torch._dynamo.maybe_mark_dynamic(kw["hidden_states"], 0)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        exactdit.patch(tr, dynamic=True)
+        try:
+            tr(**kw, return_dict=False)
+        finally:
+            exactdit.unpatch(tr)
+            uncompile(tr)
+    text = kw["encoder_hidden_states"]
+    assert not hasattr(text, "_dynamo_weak_dynamic_indices") and not hasattr(text, "_has_dynamo_dim_marking")
+    assert kw["hidden_states"]._dynamo_weak_dynamic_indices == {0}

@@ -270,7 +270,8 @@ def main(argv=None) -> None:
             continue
         order = "first call" if r is rows[0] else f"new resolution {rows.index(r) // 2 + 1}"
         results.append(dict(model_or_op=model, shape=f"{r['resolution']} B={args.batch}", dtype="bf16",
-                            path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}), profiled", ms=r["wall_s"] * 1e3, ratio=None,
+                            path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}), profiled",
+                            ms=r["wall_s"] * 1e3, ratio=None,
                             ratio_kind=None, equal=None, first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
                             patch_s=patch_s,
                             phases_s={p: round(v[0], 3) for p, v in r["phases"].items()},

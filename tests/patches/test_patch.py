@@ -120,7 +120,8 @@ def test_dynamic_chooses_when_blocks_are_captured_with_symbolic_sizes(dynamic):
         return first_calls.totals().get(phase, (0.0, 0))[1]
 
     tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
-    kws = [models.forward_inputs("flux", tr, batch=1, height=h, width=w, seed=7) for h, w in ((32, 32), (48, 64), (64, 32))]
+    sizes = ((32, 32), (48, 64), (64, 32))
+    kws = [models.forward_inputs("flux", tr, batch=1, height=h, width=w, seed=7) for h, w in sizes]
     with torch.no_grad():
         refs = [tr(**kw, return_dict=False)[0] for kw in kws]
         state.reset()

@@ -116,7 +116,7 @@ class PerSignature:
         self.positions = symbolic_positions(example_inputs)
         #: key -> (the lowered callable, the names of the graphs it registered)
         self.lowered: dict[tuple, tuple] = {}
-        #: ``(args)``, called after each new signature is lowered (what a capture is for a static graph)
+        #: ``(args, key)``, called after each new signature is lowered (what a capture is for a static graph)
         self.on_new_signature = None
 
     def __call__(self, *args):
@@ -131,7 +131,7 @@ class PerSignature:
                 run = self._lowered(args, values)
             entry = self.lowered[key] = (run, [g.name for g in coverage.graphs() if g.name not in known])
             if self.on_new_signature is not None:
-                self.on_new_signature(args)
+                self.on_new_signature(args, key)
         return entry[0](*args)
 
     @staticmethod

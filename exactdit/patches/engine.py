@@ -103,8 +103,9 @@ class _ClassState:
         def backend(gm, example_inputs):
             self.graphs += 1
             compiled = engine_backend(gm, example_inputs)
-            if hasattr(compiled, "on_new_signature"):  # symbolic: each signature it lowers counts as a graph
-                compiled.on_new_signature = self._count_graph
+            if hasattr(compiled, "on_new_signature"):  # symbolic: a signature it lowers may count as a graph
+                lowered: dict = {}
+                compiled.on_new_signature = lambda args, key: self._count_lowering(args, key, lowered)
             else:
                 self.signatures.add(_tensor_signature(example_inputs))
             first = [True]
@@ -123,13 +124,18 @@ class _ClassState:
         self.backend = backend
         return self
 
-    def _count_graph(self, args) -> None:
-        """A symbolic graph lowered a signature: a new graph where no graph of the class had it (a
-        lowering at a resolution a static graph served, or one dropped and lowered again, is not)."""
-        signature = _tensor_signature(args)
-        if signature not in self.signatures:
-            self.signatures.add(signature)
+    def _count_lowering(self, args, key, lowered: dict) -> None:
+        """A symbolic graph lowered signature ``key``: a new graph where no graph of the class had its
+        tensors' sizes, or where this graph had lowered those sizes with other values (a count read
+        after a graph break). Not where another graph of the class served those sizes (Dynamo's
+        newest graph takes the calls older ones served), nor for ``key`` dropped and lowered again.
+        ``lowered``: this graph's tensor sizes -> the keys it lowered at them."""
+        tensors = _tensor_signature(args)
+        keys = lowered.setdefault(tensors, set())
+        if tensors not in self.signatures or (keys and key not in keys):
             self.graphs += 1
+        self.signatures.add(tensors)
+        keys.add(key)
 
 
 def _tensor_signature(args) -> tuple:

@@ -12,8 +12,8 @@ the graph is called) hold every choice the model's Python made from sizes, and A
 the same torch calls with the same concrete tensors as when Dynamo captures statically, so it
 makes the same ATen choices (a reshape's copy, a matmul's folding). Dynamo captures sizes 0 and 1
 as constants, never as symbols. What a new resolution then costs is AOTAutograd and the engine,
-not Dynamo's tracing of the model's Python: 0.2-0.3 s against 0.4-0.6 s per Flux block on the
-CPU after the symbolic capture (which costs about 1.5 static ones).
+not Dynamo's tracing of the model's Python (HunyuanVideo's blocks on the CPU: about half a
+capture; benchmarks/probes/probe_new_shapes.py).
 """
 
 from __future__ import annotations
@@ -87,15 +87,12 @@ def with_values(gm: fx.GraphModule, values: dict[int, object]) -> fx.GraphModule
     constant ``values[i]``, as a static capture holds it."""
     graph = fx.Graph()
     env: dict[fx.Node, object] = {}
-    placeholders = iter(range(len(gm.graph.nodes)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, value in values.items():
+        for read in (u for u in placeholders[position].users if u.target in _READS):
+            env[read] = value
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            position = next(placeholders)
-            env[node] = graph.node_copy(node, lambda a: env[a])
-            if position in values:
-                for read in (u for u in node.users if u.target in _READS):
-                    env[read] = values[position]
-        elif node not in env:
+        if node not in env:
             env[node] = graph.node_copy(node, lambda a: env[a])
     return fx.GraphModule(gm, graph)
 
@@ -120,8 +117,10 @@ class PerSignature:
         self.on_new_signature = None
 
     def __call__(self, *args):
-        values = {i: args[i].item() for i in self.values}
-        key = tuple(_concrete(args[i]) for i in self.positions) + tuple(map(_value_key, values.values()))
+        key = tuple(_concrete(args[i]) for i in self.positions)
+        values = {i: args[i].item() for i in self.values} if self.values else {}
+        if values:
+            key += tuple(map(_value_key, values.values()))
         entry = self.lowered.get(key)
         if entry is None:
             if len(self.lowered) >= KEPT_SIGNATURES:  # the oldest goes (lowered again if it comes back)

@@ -55,3 +55,25 @@ def test_mini_variant_captured_whole_and_equal_to_eager(name, overrides, block, 
     assert engine_eager_reasons() == {} and not coverage.in_parts()
     prefix = f"{type(tr).__name__}.{block}#"
     assert any(k.startswith(prefix) and v["fused"] for k, v in exactdit.report(show=False).items()), prefix
+
+
+@pytest.mark.parametrize("name", list(minis.MINIS))
+def test_mini_model_equal_to_eager_at_new_sizes(name):
+    """Three batch sizes in a row under the default ``dynamic=None``: the first captured static, the
+    second symbolic, the third lowered from that symbolic graph at its sizes (engine/specialize.py);
+    each forward ``torch.equal`` to the unpatched one, no region disabled."""
+    import exactdit
+    from exactdit.harness.metrics import outputs_equal
+
+    tr = minis.build(name, dtype=torch.bfloat16, device="cuda", seed=1)
+    kws = [minis.forward_inputs(name, tr, batch=b, seed=10 + b, device="cuda") for b in (2, 1, 3)]
+    refs = [run_forward(tr, kw) for kw in kws]
+    torch._dynamo.reset()
+    try:
+        exactdit.patch(tr)
+        outs = [run_forward(tr, kw) for kw in kws]
+    finally:
+        exactdit.unpatch(tr)
+    assert [outputs_equal(o, r) for o, r in zip(outs, refs)] == [True] * 3
+    report = exactdit.report(show=False)
+    assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}

@@ -173,6 +173,8 @@ class EngineCall:
         self.in_parts: tuple[str, tuple] | None = None
         self.failed: tuple[str, tuple] | None = None
         self.seen: set = set()  # input signatures this block ran in parts
+        #: ``dynamic=True``: this block's first call has its sizes marked symbolic (see run_engine)
+        self.unmarked = dynamic is True
         with _lock:
             if label not in _states:
                 _states[label] = _ClassState(label).counting_backend(make_backend(label))
@@ -209,7 +211,11 @@ class EngineCall:
             return eager(*args, **kwargs)
         if in_parts is not None:
             return self._run_in_parts(parts, eager, *args, **kwargs)
-        marks = _sizes_symbolic((args, kwargs)) if self.dynamic and not state.graphs else contextlib.nullcontext()
+        # every block's first call, not only the class's: blocks of one class meet other layouts in
+        # one forward (HunyuanVideo's first single block takes the double blocks' output, the rest a
+        # slice), and a layout captured static there is captured again at the next resolution
+        marks = _sizes_symbolic((args, kwargs)) if self.unmarked else contextlib.nullcontext()
+        self.unmarked = False
         try:
             with marks:
                 if state.values_as_constants:
@@ -535,7 +541,7 @@ def patch_transformer(model: torch.nn.Module, dynamic: bool | None = None) -> di
     for cls, module in targets(model):
         current = getattr(module, "_compiled_call_impl", None)
         if isinstance(current, EngineCall) and current.dynamic is not dynamic:
-            current.dynamic = dynamic
+            current.dynamic, current.unmarked = dynamic, dynamic is True
             current.compiled, current.parts = _compiled(module._call_impl, current.state.backend, dynamic)
         elif not isinstance(current, EngineCall):
             module._compiled_call_impl = EngineCall(module, f"{model_name}.{cls}", dynamic)

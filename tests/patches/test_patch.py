@@ -166,3 +166,31 @@ def test_dynamic_leaves_no_marks_on_the_callers_tensors():
     text = kw["encoder_hidden_states"]
     assert not hasattr(text, "_dynamo_weak_dynamic_indices") and not hasattr(text, "_has_dynamo_dim_marking")
     assert kw["hidden_states"]._dynamo_weak_dynamic_indices == {0}
+
+
+def test_dynamic_true_captures_every_layout_of_the_first_forward_symbolic():
+    """``dynamic=True`` marks each block's first call, not only its class's: HunyuanVideo's first
+    single block takes the double blocks' output and the next one a slice of the first's, two layouts
+    of one class in one forward. Both are captured symbolic, so a new resolution captures nothing."""
+    from exactdit import first_calls, state
+    from tests import minis
+    from tests.engine_helpers import engine_eager_reasons, uncompile
+
+    tr = minis.build("hunyuan-video", dtype=torch.bfloat16, seed=4)
+    grids = (minis.Grid(2, 4, 6, 5), minis.Grid(3, 6, 8, 5))
+    kws = [minis.forward_inputs("hunyuan-video", tr, batch=1, seed=5, grid=g) for g in grids]
+    with torch.no_grad():
+        refs = [tr(**kw, return_dict=False)[0] for kw in kws]
+        state.reset()
+        torch._dynamo.reset()
+        exactdit.patch(tr, dynamic=True)
+        try:
+            outs, captures = [], []
+            for kw in kws:
+                outs.append(tr(**kw, return_dict=False)[0])
+                captures.append(first_calls.totals()["capture"][1])
+        finally:
+            exactdit.unpatch(tr)
+            uncompile(tr)
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs)) and engine_eager_reasons() == {}
+    assert captures[0] == captures[1], captures

@@ -271,22 +271,20 @@ def compile_graph(label: str):
     return compiler
 
 
-def _unchanged(gm: fx.GraphModule, example_inputs):
-    return make_boxed_func(gm)
-
-
 def make_backend(label: str = "graph"):
     """A torch.compile backend that rewrites inference graphs (see the module docstring);
     ``label`` names its graphs in :func:`exactdit.report`. A graph Dynamo captured with symbolic
-    sizes goes through AOTAutograd at each signature it runs at (:mod:`exactdit.engine.specialize`)."""
+    sizes is lowered once and made concrete at each signature it runs at (:mod:`exactdit.engine.specialize`)."""
     first_calls.install_capture_timer()
     source_headers_only_when_logged()
-    aot = aot_autograd(fw_compiler=_unchanged, bw_compiler=_unchanged, inference_compiler=compile_graph(label))
+    rewrite = compile_graph(label)
+    unchanged = specialize.run_as_captured
+    aot = aot_autograd(fw_compiler=unchanged, bw_compiler=unchanged, inference_compiler=rewrite)
 
     def backend(gm: fx.GraphModule, example_inputs):
         if specialize.symbolic_positions(example_inputs):
             first_calls.claim_capture(label)
-            return specialize.PerSignature(gm, example_inputs, label, aot)
+            return specialize.PerSignature(gm, example_inputs, label, aot, rewrite)
         return aot(gm, example_inputs)
 
     return backend

@@ -1,28 +1,36 @@
 """Graphs Dynamo captured with symbolic sizes, lowered at each signature they run at.
 
 Dynamo captures a block with symbolic sizes once it has seen the block at two shapes (its automatic
-dynamic shapes): one graph of torch calls for every sequence length. The engine's partition,
-indexing and templates read concrete sizes, so such a graph is not lowered as it is: at each
-signature it runs at (the values of its symbolic sizes) AOTAutograd lowers it to ATen with the
-call's tensors as example inputs (static sizes), the engine rewrites that graph, and the result
-is kept for the signature.
+dynamic shapes), or from the first call with ``exactdit.patch(..., dynamic=True)``: one graph of
+torch calls for every sequence length. The engine's partition, indexing and templates read
+concrete sizes, so such a graph is not rewritten as it is. AOTAutograd lowers it to ATen once,
+with its sizes symbolic (:class:`Symbolic`); at each signature it runs at (the values of its
+symbolic sizes) :func:`at_sizes` makes the ATen graph of those sizes (the size arithmetic done,
+each value's metadata of those sizes), the engine rewrites that graph, and the result is kept for
+the signature.
 
-Why that graph is the one a capture at those sizes would give: Dynamo's guards (checked before
-the graph is called) hold every choice the model's Python made from sizes, and AOTAutograd meets
-the same torch calls with the same concrete tensors as when Dynamo captures statically, so it
-makes the same ATen choices (a reshape's copy, a matmul's folding). Dynamo captures sizes 0 and 1
-as constants, never as symbols. What a new resolution then costs is AOTAutograd and the engine,
-not Dynamo's tracing of the model's Python (HunyuanVideo's blocks on the CPU: about half a
-capture; benchmarks/probes/probe_new_shapes.py).
+Why that graph is the one a capture at those sizes would give: Dynamo builds its guards after the
+backend returns, so they hold every choice the model's Python and AOTAutograd made from sizes
+(a reshape's copy, a matmul's folding), and :func:`at_sizes` runs no Python of the model, only
+the ATen graph's size arithmetic. Dynamo captures sizes 0 and 1 as constants, never as symbols.
+tests/engine/test_specialize.py compares the two op for op on ten production classes. Where the
+symbolic lowering cannot be used (a graph with autograd recording, AOTAutograd's inputs not
+Dynamo's), each signature goes through AOTAutograd with static sizes instead (slower, the same
+graph). What a new resolution then costs is a pass over the ATen graph and the engine's rewrite,
+not Dynamo's tracing of the model's Python or AOTAutograd (benchmarks/probes/probe_new_shapes.py).
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import struct
+import threading
 
 import torch
 import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -97,20 +105,131 @@ def with_values(gm: fx.GraphModule, values: dict[int, object]) -> fx.GraphModule
     return fx.GraphModule(gm, graph)
 
 
+def run_as_captured(gm: fx.GraphModule, example_inputs):
+    """An AOTAutograd compiler that leaves the graph as it is."""
+    return make_boxed_func(gm)
+
+
+def _constant(value) -> bool:
+    return type(value) in (int, float, bool)
+
+
+def _whole_slice(node: fx.Node, args, kwargs) -> bool:
+    """Whether ``node`` is a slice Python indexing asked for (``x[:, :n]``) that takes all of its
+    input at these sizes: indexing returns the input itself where that is known without a guard
+    (ATen's ``applySlice``), so a static capture has no slice there, a symbolic one has."""
+    if node.target is not torch.ops.aten.slice.Tensor or not node.meta.get("source_fn_stack"):
+        return False
+    if node.meta["source_fn_stack"][-1][1] is not operator.getitem:
+        return False
+    bound = {"dim": 0, "start": None, "end": None, "step": 1, **dict(zip(("x", "dim", "start", "end", "step"), args)),
+             **kwargs}
+    start, end, size = bound["start"], bound["end"], bound["x"].shape[bound["dim"]]
+    return start in (None, 0) and bound["step"] == 1 and (end is None or end >= size)
+
+
+def at_sizes(gm: fx.GraphModule, args) -> fx.GraphModule:
+    """A copy of ``gm`` (an ATen graph with symbolic sizes) for inputs of the sizes of ``args`` (the
+    call's): each node that computes a size (``sym_size``, arithmetic on sizes) becomes the constant
+    it computes, as a static capture holds it, and so does a slice indexing takes whole
+    (:func:`_whole_slice`); every other node is kept, its ``val`` of these sizes (fake tensors of a
+    fresh mode, as AOTAutograd gives a static capture). Placeholders are kept, integer ones unused."""
+    graph = fx.Graph()
+    fakes = _static_fakes(args)
+    mode = next((f.fake_mode for f in fakes if isinstance(f, torch.Tensor)), None) or FakeTensorMode()
+    env: dict[fx.Node, object] = {}  # node -> its node in the copy, or the constant it is
+    vals: dict[fx.Node, object] = {}  # node -> its value at these sizes
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {n: i for i, n in enumerate(placeholders)}
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                graph.output(fx.map_arg(node.args[0], lambda a: env[a]))
+                continue
+            if node.op == "placeholder":
+                val = fakes[position[node]]
+            elif node.op == "get_attr":
+                val = getattr(gm, node.target)
+                val = mode.from_tensor(val, static_shapes=True) if isinstance(val, torch.Tensor) else val
+            else:
+                call_args, call_kwargs = fx.map_arg((node.args, node.kwargs), lambda a: vals[a])
+                if _whole_slice(node, call_args, call_kwargs):
+                    env[node], vals[node] = env[node.args[0]], vals[node.args[0]]
+                    continue
+                val = node.target(*call_args, **call_kwargs)
+                if _constant(val) or (val is None and not any(
+                        isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((call_args, call_kwargs)))):
+                    env[node] = vals[node] = val  # size arithmetic, or an assertion on sizes that holds
+                    continue
+            vals[node] = val
+            copy = graph.node_copy(node, lambda a: env[a])
+            copy.meta = {k: v for k, v in node.meta.items() if k not in ("tensor_meta", "unbacked_bindings")}
+            copy.meta["val"] = val
+            env[node] = val if _constant(val) else copy  # an integer input: its users take the value
+    return fx.GraphModule(gm, graph)
+
+
+class Symbolic:
+    """Dynamo's symbolic graph lowered to ATen once by AOTAutograd, its sizes symbolic: ``gm``, the
+    ATen graph; :meth:`call` runs AOTAutograd's runtime wrapper (inputs, outputs, aliasing) around
+    a graph :func:`at_sizes` made from ``gm`` and the engine rewrote. Raises ``ValueError`` where
+    the ATen graph's inputs are not Dynamo's one for one (AOTAutograd dropped a duplicate, added an
+    effect token) or no inference graph came (autograd recording)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs):
+        self._local = threading.local()
+        given: list = []
+
+        def inference(aten_gm, aten_inputs):
+            given.append(aten_gm)
+
+            def run(args):
+                return self._local.run(args)
+
+            run._boxed_call = True
+            return run
+
+        self._wrapper = aot_autograd(fw_compiler=run_as_captured, bw_compiler=run_as_captured,
+                                     inference_compiler=inference)(gm, example_inputs)
+        if not given:
+            raise ValueError("no inference graph (autograd recording)")
+        self.gm = given[0]
+        kinds = [isinstance(n.meta.get("val"), torch.Tensor) for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if kinds != [isinstance(a, torch.Tensor) for a in example_inputs]:
+            raise ValueError("AOTAutograd's inputs are not Dynamo's one for one")
+
+    def call(self, rewritten, args):
+        """AOTAutograd's wrapper around ``rewritten`` (a boxed callable), on ``args``."""
+        previous = getattr(self._local, "run", None)
+        self._local.run = rewritten
+        try:
+            return self._wrapper(*args)
+        finally:
+            self._local.run = previous
+
+
 class PerSignature:
     """What a Dynamo backend returns for a graph with symbolic sizes: at each new signature (the
     sizes and strides of the inputs whose sizes are symbolic, the values of symbolic integers and of
-    the scalars the graph reads: :func:`value_positions`) it
-    calls ``lower(graph, args)`` (a Dynamo backend: AOTAutograd and the engine) with the call's
-    arguments as example inputs; later calls at that signature run what it returned. Only the
-    symbolic inputs are read: Dynamo's guards hold everything else."""
+    the scalars the graph reads: :func:`value_positions`) it makes that signature's ATen graph
+    (:func:`at_sizes` of the :class:`Symbolic` lowering) and has ``rewrite(graph, args)`` (the
+    engine's AOTAutograd inference compiler) rewrite it; later calls at that signature run what it
+    returned. Where the symbolic lowering cannot serve, ``lower(graph, args)`` (a Dynamo backend:
+    AOTAutograd and the engine) lowers Dynamo's graph with the call's arguments as example inputs.
+    Only the symbolic inputs are read: Dynamo's guards hold everything else."""
 
-    def __init__(self, gm, example_inputs, label: str, lower):
-        self.gm, self.label, self.lower = gm, label, lower
-        for node in gm.graph.nodes:  # Dynamo's unbacked sizes: lowering makes its own (a fresh shape env)
-            node.meta.pop("unbacked_bindings", None)
+    def __init__(self, gm, example_inputs, label: str, lower, rewrite):
+        self.gm, self.label, self.lower, self.rewrite = gm, label, lower, rewrite
         self.values = value_positions(gm, example_inputs)
         self.positions = symbolic_positions(example_inputs)
+        self.symbolic: Symbolic | None = None
+        try:  # not where the graph reads a number: ATen's kernels take it as a double, a guard on its value
+            self.symbolic = None if self.values else Symbolic(gm, example_inputs)
+        except Exception as e:  # noqa: BLE001 - each signature through AOTAutograd instead
+            logger.info("exactdit: %s lowered per signature: %s: %s", label, type(e).__name__, e)
+        if self.symbolic is None:
+            for node in gm.graph.nodes:  # Dynamo's unbacked sizes: lowering makes its own (a fresh shape env)
+                node.meta.pop("unbacked_bindings", None)
         #: key -> (the lowered callable, the names of the graphs it registered)
         self.lowered: dict[tuple, tuple] = {}
         #: ``(args, key)``, called after each new signature is lowered (what a capture is for a static graph)
@@ -142,7 +261,11 @@ class PerSignature:
 
     def _lowered(self, args, values: dict):
         try:
-            return self.lower(with_values(self.gm, values) if values else self.gm, _static_fakes(args))
+            if self.symbolic is None:
+                return self.lower(with_values(self.gm, values) if values else self.gm, _static_fakes(args))
+            symbolic, graph = self.symbolic, at_sizes(self.symbolic.gm, args)
+            rewritten = self.rewrite(graph, [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"])
+            return lambda *call_args: symbolic.call(rewritten, call_args)
         except Exception as e:  # noqa: BLE001 - Dynamo's graph of torch calls still runs what eager runs
             why = f"not lowered at these sizes: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("exactdit: %s %s", self.label, why)

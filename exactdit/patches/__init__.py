@@ -48,7 +48,7 @@ def _what_it_has(pipe) -> str:
     return f" (its models: {', '.join(models)})" if models else " (it holds no model)"
 
 
-def patch(obj, *, cuda_graphs: bool = False, dynamic: bool | None = None) -> dict:
+def patch(obj, *, cuda_graphs: bool = False, dynamic: bool | None = False) -> dict:
     """Patch ``obj`` (a pipeline or a transformer) in place; idempotent. Returns a summary, e.g.
     ``{"patched": True, "engine": True, "modules": {"FluxTransformerBlock": 19, ...}}``, or
     ``{"patched": False, "reason": ...}`` (with a warning) when nothing can be patched; the
@@ -58,10 +58,12 @@ def patch(obj, *, cuda_graphs: bool = False, dynamic: bool | None = None) -> dic
     ``cuda_graphs=True``: also record the transformer's forward into a CUDA graph per input
     signature and replay it (:mod:`exactdit.patches.cuda_graphs`); ``False`` turns that mode off
     on a model patched with it; ``summary["cuda_graphs"]`` says whether the mode is on.
-    ``dynamic``, as torch.compile's: None (default), a block class's second input shape (a new
-    resolution) is captured with the sizes that changed symbolic and every later shape is lowered
-    from that capture without tracing the model's Python again; True, the same from the first call
-    (a slower first call, a faster second resolution); False, every new shape is captured again.
+    ``dynamic``, as torch.compile's: False (default), each new input shape (a new resolution) is
+    captured again; True, the blocks are captured with symbolic sizes from the first call and every
+    new shape is lowered from that capture without tracing the model's Python again (a slower first
+    call, fast new resolutions: for a service that changes sizes); None, the same from a block
+    class's second input shape on (that shape pays the symbolic capture). BENCHMARKS.md has the
+    H200's seconds for each.
     The bits are the same in all three."""
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"exactdit.patch: cuda_graphs must be True or False, got {cuda_graphs!r}")

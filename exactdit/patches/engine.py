@@ -165,7 +165,7 @@ class EngineCall:
     """A module's compiled call (set as ``_compiled_call_impl``), falling back to the module's
     own call where the engine cannot run."""
 
-    def __init__(self, module: torch.nn.Module, label: str, dynamic: bool | None = None):
+    def __init__(self, module: torch.nn.Module, label: str, dynamic: bool | None = False):
         from exactdit.engine import make_backend
 
         self.module, self.dynamic = module, dynamic
@@ -529,7 +529,7 @@ def why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def patch_transformer(model: torch.nn.Module, dynamic: bool | None = None) -> dict:
+def patch_transformer(model: torch.nn.Module, dynamic: bool | None = False) -> dict:
     reason = why_not(model)
     if reason is not None:
         return {"patched": False, "reason": reason}

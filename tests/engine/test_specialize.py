@@ -93,7 +93,7 @@ def _phase_count(phase: str) -> int:
 
 def _run_patched(tr, kws):
     outs = []
-    exactdit.patch(tr)
+    exactdit.patch(tr, dynamic=None)
     try:
         for kw in kws:
             outs.append(run_forward(tr, kw))
@@ -117,7 +117,7 @@ def test_a_third_shape_is_lowered_into_the_graph_its_own_capture_gives(name, low
         static = dict(lowered)
         lowered.clear()
         state.reset()
-        exactdit.patch(tr)
+        exactdit.patch(tr, dynamic=None)
         try:
             outs = [run_forward(tr, kw) for kw in kws[:2]]
             captures, lowerings, earlier = _phase_count("capture"), _phase_count("specialize"), _flat(lowered)
@@ -146,24 +146,19 @@ class _Rows(torch.nn.Module):
 
 def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeypatch):
     """The first shape is captured static, the second symbolic; each signature (the symbolic
-    inputs' sizes) is lowered once and kept; a lowering that fails runs Dynamo's graph (what eager
+    inputs' sizes) is made concrete once and kept; one that fails runs Dynamo's graph (what eager
     runs), counted with the reason, and the other signatures stay lowered."""
     lowerings = []
-    make_lowering = backend.aot_autograd
+    real = specialize.at_sizes
 
-    def failing_at_seven(**kwargs):
-        lower = make_lowering(**kwargs)
+    def failing_at_seven(gm, args):
+        sizes = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
+        lowerings.append(sizes)
+        if 7 in sizes:
+            raise RuntimeError("cannot lower\nsecond line")
+        return real(gm, args)
 
-        def lowering(gm, args):
-            sizes = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
-            lowerings.append(sizes)
-            if 7 in sizes:
-                raise RuntimeError("cannot lower\nsecond line")
-            return lower(gm, args)
-
-        return lowering
-
-    monkeypatch.setattr(backend, "aot_autograd", failing_at_seven)
+    monkeypatch.setattr(specialize, "at_sizes", failing_at_seven)
     module = _Rows().eval()
     compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
     try:
@@ -173,7 +168,7 @@ def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeyp
                 assert torch.equal(compiled(x), module(x))
     finally:
         torch._dynamo.reset()
-    assert lowerings == [[3], [5], [7], [9]]  # 3: Dynamo's static capture; 5, 7, 9 lowered once each
+    assert lowerings == [[5], [7], [9]]  # 3: Dynamo's static capture; 5, 7, 9 lowered once each
     reasons = engine_eager_reasons()
     assert list(reasons) == ["engine.Rows"], reasons
     assert reasons["engine.Rows"] == {"not lowered at these sizes: RuntimeError: cannot lower": 2}, reasons

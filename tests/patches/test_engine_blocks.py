@@ -73,12 +73,12 @@ def _flux_with_feed_forward(wrap, seed: int):
     return tr, kw
 
 
-def _patched_runs(tr, kws: list) -> tuple[list, list, list]:
+def _patched_runs(tr, kws: list, dynamic: bool | None = False) -> tuple[list, list, list]:
     """(eager outputs, patched outputs, warnings) of one forward per inputs in ``kws``."""
     with torch.no_grad():
         refs = [tr(**kw, return_dict=False)[0] for kw in kws]
         torch._dynamo.reset()
-        exactdit.patch(tr)
+        exactdit.patch(tr, dynamic=dynamic)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             outs = [tr(**kw, return_dict=False)[0] for kw in kws]
@@ -161,7 +161,8 @@ def test_parts_captured_again_for_inputs_already_run_fall_back_to_eager():
     assert reasons == {RECAPTURED_REASON: 1}  # the last call; the one before still ran the graphs it captured
 
 
-def test_a_block_in_parts_comes_back_to_resolutions_it_ran_and_stays_fused():
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_block_in_parts_comes_back_to_resolutions_it_ran_and_stays_fused(dynamic):
     """A block with a graph break at five resolutions, a batch of three, then the five again: the
     graph symbolic in the batch too lowers the signatures earlier graphs served, which is not a
     capture for inputs the block has run (nothing falls back to diffusers' code, which a block
@@ -169,7 +170,7 @@ def test_a_block_in_parts_comes_back_to_resolutions_it_ran_and_stays_fused():
     tr, _ = _flux_with_feed_forward(graph_break_then, seed=8)
     sizes = [(2, h) for h in (32, 48, 64, 80, 96)] + [(3, 32)] + [(2, h) for h in (32, 48, 64, 80, 96, 32)]
     kws = [models.forward_inputs("flux", tr, batch=b, height=h, width=h, seed=9) for b, h in sizes]
-    refs, outs, _ = _patched_runs(tr, kws)
+    refs, outs, _ = _patched_runs(tr, kws, dynamic)
     for out, ref in zip(outs, refs):
         assert_bits_equal(out, ref)
     assert engine_eager_reasons() == {}
@@ -185,7 +186,7 @@ def test_shapes_beyond_dynamos_recompile_limit_run_eager_and_the_captured_ones_s
         refs = [tr(**kw, return_dict=False)[0] for kw in calls]
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=8):
-            exactdit.patch(tr, dynamic=False)  # every shape a capture (by default the third is lowered)
+            exactdit.patch(tr, dynamic=False)  # every shape a capture (the default; stated: with None the third is lowered)
             assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
         with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -33,6 +33,8 @@
 #                    seconds until its last kernel compiled (calls do not wait), the second call
 #   new-shapes       profile_first_call.py, HunyuanVideo at 544x960x17, 480x848x33, 368x640x25, 544x960x17 again,
 #                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
+#   new-sizes-tests  pytest -m gpu tests/minis/test_gpu_minis.py -k new_sizes: 33 minis at three batch sizes in a row under
+#                    dynamic=None (static, symbolic, made concrete), equal to eager; MINIS_K="flux2 or sd3" narrows, ~8 minutes
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -153,6 +155,9 @@ for stage in "$@"; do
           --resolutions 544x960x17 480x848x33 368x640x25 544x960x17 2>&1 | grep -v Warn | \
           tee -a "$OUT/new_shapes_hunyuan.log" | grep -E "call:|^first calls|^built"
       done ;;
+    new-sizes-tests)
+      timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -k "new_sizes${MINIS_K:+ and ($MINIS_K)}" -rf \
+        2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tee "$OUT/gpu_minis_new_sizes.log" | tail -40 ;;
     host)
       timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)

@@ -47,7 +47,7 @@ def parse_args(argv=None):
                     help="cold: exactdit's, Triton's and Inductor's caches in an empty temporary directory")
     ap.add_argument("--compile", action="store_true", help="also diffusers' regional torch.compile's first calls")
     ap.add_argument("--no-eager-warmup", action="store_true", help="skip the eager forward per resolution first")
-    ap.add_argument("--dynamic", choices=["auto", "first", "static"], default="auto",
+    ap.add_argument("--dynamic", choices=["auto", "first", "static"], default="static",
                     help="exactdit.patch's dynamic: auto (None: symbolic from a block's second shape), first (True), "
                          "static (False)")
     return ap.parse_args(argv)

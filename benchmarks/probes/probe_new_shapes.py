@@ -25,7 +25,7 @@ GRIDS = "2x8x8,3x10x12,2x12x8,4x8x10"
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mini", default="hunyuan-video", help="a mini with a production config (tests/minis)")
-    ap.add_argument("--dynamic", choices=list(DYNAMIC), default="auto")
+    ap.add_argument("--dynamic", choices=list(DYNAMIC), default="static")
     ap.add_argument("--grids", default=GRIDS, help="FxHxW latent grids in order, comma-separated")
     ap.add_argument("--text", type=int, default=16, help="text tokens")
     args = ap.parse_args(argv)

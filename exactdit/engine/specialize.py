@@ -114,6 +114,10 @@ def _constant(value) -> bool:
     return type(value) in (int, float, bool)
 
 
+def _reads_tensors(*values) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(values))
+
+
 def _whole_slice(node: fx.Node, args, kwargs) -> bool:
     """Whether ``node`` is a slice Python indexing asked for (``x[:, :n]``) that takes all of its
     input at these sizes: indexing returns the input itself where that is known without a guard
@@ -157,8 +161,7 @@ def at_sizes(gm: fx.GraphModule, args) -> fx.GraphModule:
                     env[node], vals[node] = env[node.args[0]], vals[node.args[0]]
                     continue
                 val = node.target(*call_args, **call_kwargs)
-                if _constant(val) or (val is None and not any(
-                        isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((call_args, call_kwargs)))):
+                if _constant(val) or (val is None and not _reads_tensors(call_args, call_kwargs)):
                     env[node] = vals[node] = val  # size arithmetic, or an assertion on sizes that holds
                     continue
             vals[node] = val

@@ -254,3 +254,38 @@ def test_a_dropped_signature_leaves_no_reports_or_gate_state(monkeypatch):
     assert len(graphs) == 3, graphs  # the static capture and the 2 signatures kept
     ops = {name.split(".r", 1)[0] for name in state.STATE.signatures if name.startswith("Rows#")}
     assert ops and ops <= set(graphs), (ops, graphs)
+
+
+class _Slices(torch.nn.Module):
+    def forward(self, x, n: int):
+        whole = x[None, :, :] * 2  # indexing that takes all of dims 1, 2: no slice in a static capture
+        part = x[:, 1:] * 3  # a real slice
+        narrowed = x.narrow(1, 0, x.shape[1]) * 4  # narrow records its slice whatever it takes
+        return whole, part, narrowed, x.reshape(x.shape[0], -1) * n  # sizes computed from sizes
+
+
+def test_at_sizes_gives_a_static_captures_graph(lowered):
+    """Size arithmetic folded to constants, an indexing slice that takes its whole input dropped
+    (as ATen's indexing does where sizes are static), other slices kept: the graph made at a third
+    shape is op for op the one a static capture there gives, and its result equal to eager."""
+    module = _Slices().eval()
+    shapes = [(2, 3, 8), (2, 5, 8), (2, 7, 8)]
+    xs = [torch.randn(*s) for s in shapes]
+    with torch.no_grad():
+        static = torch.compile(module, backend=backend.make_backend("Slices"), fullgraph=True, dynamic=False)
+        try:
+            assert all(map(torch.equal, static(xs[2], 2), module(xs[2], 2)))
+        finally:
+            torch._dynamo.reset()
+        expected = list(lowered["Slices"])
+        lowered.clear()
+        symbolic = torch.compile(module, backend=backend.make_backend("Slices"), fullgraph=True, dynamic=None)
+        try:
+            for x in xs:
+                assert all(map(torch.equal, symbolic(x, 2), module(x, 2)))
+        finally:
+            torch._dynamo.reset()
+    made = lowered["Slices"][-1]
+    assert made in expected, (made, expected)
+    assert sum("slice" in op[1] for op in made) == 2  # x[:, 1:] and the narrow
+    assert not any("sym_size" in op[1] for op in made)

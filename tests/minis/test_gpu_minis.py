@@ -59,9 +59,9 @@ def test_mini_variant_captured_whole_and_equal_to_eager(name, overrides, block, 
 
 @pytest.mark.parametrize("name", list(minis.MINIS))
 def test_mini_model_equal_to_eager_at_new_sizes(name):
-    """Three batch sizes in a row under the default ``dynamic=None``: the first captured static, the
-    second symbolic, the third lowered from that symbolic graph at its sizes (engine/specialize.py);
-    each forward ``torch.equal`` to the unpatched one, no region disabled."""
+    """Three batch sizes in a row under ``dynamic=None``: the first captured static, the second
+    symbolic, the third made from that symbolic graph at its sizes (engine/specialize.py); each
+    forward ``torch.equal`` to the unpatched one, no region disabled."""
     import exactdit
     from exactdit.harness.metrics import outputs_equal
 
@@ -70,10 +70,10 @@ def test_mini_model_equal_to_eager_at_new_sizes(name):
     refs = [run_forward(tr, kw) for kw in kws]
     torch._dynamo.reset()
     try:
-        exactdit.patch(tr)
+        exactdit.patch(tr, dynamic=None)
         outs = [run_forward(tr, kw) for kw in kws]
     finally:
         exactdit.unpatch(tr)
     assert [outputs_equal(o, r) for o, r in zip(outs, refs)] == [True] * 3
-    report = exactdit.report(show=False)
-    assert not any(v["disabled"] for v in report.values()), {k: v["disabled"] for k, v in report.items() if v["disabled"]}
+    disabled = {k: v["disabled"] for k, v in exactdit.report(show=False).items() if v["disabled"]}
+    assert not disabled, disabled

@@ -186,7 +186,7 @@ def test_shapes_beyond_dynamos_recompile_limit_run_eager_and_the_captured_ones_s
         refs = [tr(**kw, return_dict=False)[0] for kw in calls]
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=8):
-            exactdit.patch(tr, dynamic=False)  # every shape a capture (the default; stated: with None the third is lowered)
+            exactdit.patch(tr, dynamic=False)  # every shape a capture (the default, stated)
             assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
         with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
             warnings.simplefilter("ignore")

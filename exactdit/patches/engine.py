@@ -35,10 +35,11 @@ the reason. When the class's own forward fails, this holds for all its blocks; w
 block or its layers make it fail, for that block alone, until its hooks change.
 
 With autograd recording the blocks run diffusers' code as well (the fused kernels have no
-backward). A block class's first input shape is captured with static sizes; a second shape captures
-it once more with the sizes that changed symbolic (Dynamo's automatic dynamic shapes), and later
-shapes are lowered from that graph without tracing the block's Python again
-(:mod:`exactdit.engine.specialize`: the ATen graph a capture at those sizes gives). ``patch``
+backward). By default (``patch(dynamic=False)``) each input shape of a block class is captured with
+static sizes. With ``dynamic=True`` each block's first call is captured with its sizes symbolic
+(``dynamic=None``: a class's second shape, the sizes that changed), and later shapes are made
+from that graph without tracing the block's Python again (:mod:`exactdit.engine.specialize`: the
+ATen graph a capture at those sizes gives). ``patch``
 lets Dynamo keep ``RECOMPILE_LIMIT`` graphs per block (raising
 ``torch._dynamo.config.recompile_limit``, a process-wide setting, when it is lower); shapes beyond
 that run diffusers' code, counted, while the shapes already captured stay fused (for a block in
@@ -304,10 +305,10 @@ OUT_OF_MEMORY = "out of memory in the captured call (this call ran diffusers' co
 
 def _compiled(fn, backend, dynamic: bool | None) -> tuple:
     """``fn`` compiled as one graph, and in parts (graph breaks allowed). ``dynamic`` (``patch``'s):
-    None, Dynamo's automatic dynamic shapes (a block's second input shape captures it with the
-    sizes that changed symbolic, and that graph serves every later shape, lowered per shape by
-    :mod:`exactdit.engine.specialize`); True, the same from the first call (:func:`_sizes_symbolic`);
-    False, each input shape captured static."""
+    False, each input shape captured static; None, Dynamo's automatic dynamic shapes (a block's
+    second input shape captures it with the sizes that changed symbolic, and that graph serves
+    every later shape, made concrete per shape by :mod:`exactdit.engine.specialize`); True, the
+    same from each block's first call (:func:`_sizes_symbolic`)."""
     return tuple(torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False if dynamic is False else None)
                  for whole in (True, False))
 

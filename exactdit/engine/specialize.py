@@ -29,6 +29,7 @@ import threading
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -114,38 +115,73 @@ def _constant(value) -> bool:
     return type(value) in (int, float, bool)
 
 
-def _reads_tensors(*values) -> bool:
-    return any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(values))
+def _reads_values(*values) -> bool:
+    """Whether ``values`` hold a tensor or a size still symbolic (an unbacked one)."""
+    return any(isinstance(a, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+               for a in torch.utils._pytree.tree_leaves(values))
 
 
-def _whole_slice(node: fx.Node, args, kwargs) -> bool:
-    """Whether ``node`` is a slice Python indexing asked for (``x[:, :n]``) that takes all of its
-    input at these sizes: indexing returns the input itself where that is known without a guard
-    (ATen's ``applySlice``), so a static capture has no slice there, a symbolic one has."""
-    if node.target is not torch.ops.aten.slice.Tensor or not node.meta.get("source_fn_stack"):
-        return False
-    if node.meta["source_fn_stack"][-1][1] is not operator.getitem:
-        return False
-    bound = {"dim": 0, "start": None, "end": None, "step": 1, **dict(zip(("x", "dim", "start", "end", "step"), args)),
-             **kwargs}
+def whole_slices_left_out(gm: fx.GraphModule) -> dict[str, object]:
+    """The nodes of ``gm`` (Dynamo's graph) whose indexing leaves out a slice known to take a whole
+    dim (ATen's ``applySlice``; known at static sizes, not always at symbolic ones), by name:
+    ``operator.getitem`` with a tuple (``x[:, :n]``; a lone slice, ``x[:n]``, is kept) or
+    ``operator.setitem`` with a tuple or a slice (``x[:, 0] = v``, ``x[:n] = v``)."""
+    kinds = {operator.getitem: (tuple,), operator.setitem: (tuple, slice)}
+    return {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in kinds and isinstance(n.args[1], kinds[n.target])}
+
+
+#: the ops indexing makes for a slice, and the names of their arguments
+_SLICES = {torch.ops.aten.slice.Tensor: ("x", "dim", "start", "end", "step"),
+           torch.ops.aten.slice_scatter.default: ("x", "src", "dim", "start", "end", "step")}
+
+
+def _made_for(node: fx.Node) -> str | None:
+    """The name of the node of Dynamo's graph that AOTAutograd made ``node`` for."""
+    sources = node.meta.get("from_node")
+    return sources[-1].name if sources else None
+
+
+def _indexing(node: fx.Node, tuples: dict) -> str | None:
+    """The indexing (a name in ``tuples``) slice or slice scatter ``node`` was made for."""
+    made_for = _made_for(node) if node.target in _SLICES else None
+    return made_for if made_for in tuples else None
+
+
+def _whole(node: fx.Node, args, kwargs) -> bool:
+    """Whether slice (or slice scatter) ``node`` at these sizes covers all of its input's dim."""
+    bound = {"dim": 0, "start": None, "end": None, "step": 1, **dict(zip(_SLICES[node.target], args)), **kwargs}
     start, end, size = bound["start"], bound["end"], bound["x"].shape[bound["dim"]]
     return start in (None, 0) and bound["step"] == 1 and (end is None or end >= size)
 
 
-def at_sizes(gm: fx.GraphModule, args) -> fx.GraphModule:
+def at_sizes(gm: fx.GraphModule, args, tuples: dict[str, object] | None = None) -> fx.GraphModule:
     """A copy of ``gm`` (an ATen graph with symbolic sizes) for inputs of the sizes of ``args`` (the
-    call's): each node that computes a size (``sym_size``, arithmetic on sizes) becomes the constant
-    it computes, as a static capture holds it, and so does a slice indexing takes whole
-    (:func:`_whole_slice`); every other node is kept, its ``val`` of these sizes (fake tensors of a
-    fresh mode, as AOTAutograd gives a static capture). Placeholders are kept, integer ones unused."""
-    graph = fx.Graph()
+    call's), as a static capture at those sizes gives it:
+
+    * each node that computes a size (``sym_size``, arithmetic on sizes) becomes the constant it
+      computes, and an assertion on sizes that holds goes;
+    * where an indexing (``tuples``: :func:`whole_slices_left_out` of Dynamo's graph) sliced all
+      of a dim, the slice goes (ATen's ``applySlice`` leaves it out where that is known without
+      a guard: at static sizes, not at symbolic ones), and so does the slice scatter that writes
+      it back (``x[:, 0] = v``); a reading index left with nothing else is ``alias(x)``, as ATen's
+      ``x[...]`` returns;
+    * every other node is kept, its ``val`` of these sizes (fake tensors of a fresh mode), run as
+      AOTAutograd traces (the Python dispatcher on, autocast off). Placeholders are kept, integer
+      ones unused."""
+    graph, tuples = fx.Graph(), tuples or {}
     fakes = _static_fakes(args)
     mode = next((f.fake_mode for f in fakes if isinstance(f, torch.Tensor)), None) or FakeTensorMode()
     env: dict[fx.Node, object] = {}  # node -> its node in the copy, or the constant it is
     vals: dict[fx.Node, object] = {}  # node -> its value at these sizes
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
-    with mode:
+    made_by: dict[str, list[fx.Node]] = {}  # a tuple indexing -> the nodes made for it
+    for node in gm.graph.nodes:
+        if _made_for(node) in tuples:
+            made_by.setdefault(_made_for(node), []).append(node)
+    left_out: set[fx.Node] = set()
+    with enable_python_dispatcher(), torch._C._DisableAutocast(), mode:
         for node in gm.graph.nodes:
             if node.op == "output":
                 graph.output(fx.map_arg(node.args[0], lambda a: env[a]))
@@ -157,19 +193,30 @@ def at_sizes(gm: fx.GraphModule, args) -> fx.GraphModule:
                 val = mode.from_tensor(val, static_shapes=True) if isinstance(val, torch.Tensor) else val
             else:
                 call_args, call_kwargs = fx.map_arg((node.args, node.kwargs), lambda a: vals[a])
-                if _whole_slice(node, call_args, call_kwargs):
-                    env[node], vals[node] = env[node.args[0]], vals[node.args[0]]
+                indexing = _indexing(node, tuples)
+                if indexing is not None and _whole(node, call_args, call_kwargs):
+                    left_out.add(node)
+                    kept = node.args[0] if node.target is torch.ops.aten.slice.Tensor else node.args[1]
+                    vals[node] = vals[kept]
+                    env[node] = env[kept]
+                    if tuples[indexing] is operator.getitem and left_out.issuperset(made_by[indexing]):
+                        vals[node] = torch.ops.aten.alias.default(vals[kept])
+                        env[node] = graph.call_function(torch.ops.aten.alias.default, (env[kept],))
+                        env[node].meta = {**_kept_meta(node), "val": vals[node]}
                     continue
                 val = node.target(*call_args, **call_kwargs)
-                if _constant(val) or (val is None and not _reads_tensors(call_args, call_kwargs)):
-                    env[node] = vals[node] = val  # size arithmetic, or an assertion on sizes that holds
+                if _constant(val) or (val is None and not _reads_values(call_args, call_kwargs)):
+                    env[node] = vals[node] = val
                     continue
             vals[node] = val
             copy = graph.node_copy(node, lambda a: env[a])
-            copy.meta = {k: v for k, v in node.meta.items() if k not in ("tensor_meta", "unbacked_bindings")}
-            copy.meta["val"] = val
+            copy.meta = {**_kept_meta(node), "val": val}
             env[node] = val if _constant(val) else copy  # an integer input: its users take the value
     return fx.GraphModule(gm, graph)
+
+
+def _kept_meta(node: fx.Node) -> dict:
+    return {k: v for k, v in node.meta.items() if k not in ("tensor_meta", "unbacked_bindings")}
 
 
 class Symbolic:
@@ -211,6 +258,13 @@ class Symbolic:
             self._local.run = previous
 
 
+def _without_unbacked(gm: fx.GraphModule) -> None:
+    """Drop Dynamo's unbacked sizes from ``gm``'s nodes: a lowering at static sizes makes its own
+    (a fresh shape environment)."""
+    for node in gm.graph.nodes:
+        node.meta.pop("unbacked_bindings", None)
+
+
 class PerSignature:
     """What a Dynamo backend returns for a graph with symbolic sizes: at each new signature (the
     sizes and strides of the inputs whose sizes are symbolic, the values of symbolic integers and of
@@ -225,14 +279,14 @@ class PerSignature:
         self.gm, self.label, self.lower, self.rewrite = gm, label, lower, rewrite
         self.values = value_positions(gm, example_inputs)
         self.positions = symbolic_positions(example_inputs)
+        self.tuples = whole_slices_left_out(gm)
         self.symbolic: Symbolic | None = None
         try:  # not where the graph reads a number: ATen's kernels take it as a double, a guard on its value
             self.symbolic = None if self.values else Symbolic(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 - each signature through AOTAutograd instead
             logger.info("exactdit: %s lowered per signature: %s: %s", label, type(e).__name__, e)
         if self.symbolic is None:
-            for node in gm.graph.nodes:  # Dynamo's unbacked sizes: lowering makes its own (a fresh shape env)
-                node.meta.pop("unbacked_bindings", None)
+            _without_unbacked(gm)
         #: key -> (the lowered callable, the names of the graphs it registered)
         self.lowered: dict[tuple, tuple] = {}
         #: ``(args, key)``, called after each new signature is lowered (what a capture is for a static graph)
@@ -262,13 +316,20 @@ class PerSignature:
         for name in graphs:
             gate.forget(name + ".")
 
+    def _made_concrete(self, args):
+        symbolic, graph = self.symbolic, at_sizes(self.symbolic.gm, args, self.tuples)
+        rewritten = self.rewrite(graph, [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"])
+        return lambda *call_args: symbolic.call(rewritten, call_args)
+
     def _lowered(self, args, values: dict):
         try:
-            if self.symbolic is None:
-                return self.lower(with_values(self.gm, values) if values else self.gm, _static_fakes(args))
-            symbolic, graph = self.symbolic, at_sizes(self.symbolic.gm, args)
-            rewritten = self.rewrite(graph, [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"])
-            return lambda *call_args: symbolic.call(rewritten, call_args)
+            if self.symbolic is not None:
+                try:
+                    return self._made_concrete(args)
+                except Exception as e:  # noqa: BLE001 - AOTAutograd at these sizes instead (slower, the same graph)
+                    logger.info("exactdit: %s lowered at these sizes: %s: %s", self.label, type(e).__name__, e)
+                    _without_unbacked(self.gm)
+            return self.lower(with_values(self.gm, values) if values else self.gm, _static_fakes(args))
         except Exception as e:  # noqa: BLE001 - Dynamo's graph of torch calls still runs what eager runs
             why = f"not lowered at these sizes: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("exactdit: %s %s", self.label, why)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 import exactdit
 from exactdit import first_calls, state
@@ -146,32 +147,47 @@ class _Rows(torch.nn.Module):
 
 def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeypatch):
     """The first shape is captured static, the second symbolic; each signature (the symbolic
-    inputs' sizes) is made concrete once and kept; one that fails runs Dynamo's graph (what eager
-    runs), counted with the reason, and the other signatures stay lowered."""
-    lowerings = []
-    real = specialize.at_sizes
+    inputs' sizes) is made concrete once and kept. Where that fails, AOTAutograd lowers Dynamo's
+    graph at those sizes; where that fails too, Dynamo's graph runs (what eager runs), counted with
+    the reason, and the other signatures stay lowered."""
+    made, aot = [], []
+    real, make_lowering = specialize.at_sizes, backend.aot_autograd
 
-    def failing_at_seven(gm, args):
-        sizes = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
-        lowerings.append(sizes)
-        if 7 in sizes:
-            raise RuntimeError("cannot lower\nsecond line")
-        return real(gm, args)
+    def sizes(args):
+        return [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
 
-    monkeypatch.setattr(specialize, "at_sizes", failing_at_seven)
+    def failing_at_seven_and_nine(gm, args, tuples=None):
+        made.append(sizes(args))
+        if {7, 9} & set(sizes(args)):
+            raise RuntimeError("cannot make\nsecond line")
+        return real(gm, args, tuples)
+
+    def aot_failing_at_seven(**kwargs):
+        lower = make_lowering(**kwargs)
+
+        def lowering(gm, args):
+            aot.append(sizes(args))
+            if 7 in sizes(args):
+                raise RuntimeError("cannot lower\nsecond line")
+            return lower(gm, args)
+
+        return lowering
+
+    monkeypatch.setattr(specialize, "at_sizes", failing_at_seven_and_nine)
+    monkeypatch.setattr(backend, "aot_autograd", aot_failing_at_seven)
     module = _Rows().eval()
     compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
     try:
         with torch.no_grad():
-            for n in (3, 5, 7, 5, 7, 9):
+            for n in (3, 5, 7, 5, 7, 9, 9):
                 x = torch.randn(2, n, 8)
                 assert torch.equal(compiled(x), module(x))
     finally:
         torch._dynamo.reset()
-    assert lowerings == [[5], [7], [9]]  # 3: Dynamo's static capture; 5, 7, 9 lowered once each
+    assert made == [[5], [7], [9]]  # 3: Dynamo's static capture; 5, 7, 9 made once each
+    assert aot == [[3], [7], [9]]  # the static capture; 7 and 9 where at_sizes failed
     reasons = engine_eager_reasons()
-    assert list(reasons) == ["engine.Rows"], reasons
-    assert reasons["engine.Rows"] == {"not lowered at these sizes: RuntimeError: cannot lower": 2}, reasons
+    assert reasons == {"engine.Rows": {"not lowered at these sizes: RuntimeError: cannot lower": 2}}, reasons
 
 
 def test_a_symbolic_graph_keeps_its_latest_signatures(monkeypatch):
@@ -289,3 +305,153 @@ def test_at_sizes_gives_a_static_captures_graph(lowered):
     assert made in expected, (made, expected)
     assert sum("slice" in op[1] for op in made) == 2  # x[:, 1:] and the narrow
     assert not any("sym_size" in op[1] for op in made)
+
+
+# --- indexing, unbacked sizes and autocast (cases a review found) ---------------------------------
+
+
+def _static_and_symbolic(module, name, make, sizes, lowered, dynamic=None):
+    """(the graph a static capture at sizes[-1] gives, the graph at_sizes made there, every output equal)"""
+    state.reset()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        static = torch.compile(module, backend=backend.make_backend(name), fullgraph=True, dynamic=False)
+        static(*make(sizes[-1]))
+        torch._dynamo.reset()
+        expected = lowered[name][-1]
+        lowered.clear()
+        symbolic = torch.compile(module, backend=backend.make_backend(name), fullgraph=True, dynamic=dynamic)
+        equal = []
+        for s in sizes:
+            a = make(s)
+            b = [t.clone() if isinstance(t, torch.Tensor) else t for t in a]
+            out, ref = symbolic(*a), module(*b)
+            equal.append(all(torch.equal(o, r) for o, r in zip(out, ref)))
+        torch._dynamo.reset()
+    return expected, lowered[name][-1], equal
+
+
+class _PadUnbacked(torch.nn.Module):
+    """Mochi's attention: the prompt's valid tokens (nonzero: an unbacked size), padded back."""
+
+    def forward(self, x, mask):
+        idx = mask.nonzero().flatten()
+        valid = x[:, idx] * 2
+        return (F.pad(valid, (0, 0, 0, x.shape[1] - valid.shape[1])),)
+
+
+def test_unbacked_pad_is_lowered(lowered):
+    """constant_pad_nd with an unbacked pad: at_sizes runs it without the Python dispatcher (AOTAutograd
+    traces with it on), so the C++ meta refuses symbolic pads and every signature runs eager."""
+    make = lambda n: (torch.randn(2, n, 8), torch.arange(n) % 3 != 1)  # noqa: E731
+    _, _, equal = _static_and_symbolic(_PadUnbacked().eval(), "PadUnbacked", make, [5, 7, 9], lowered)
+    assert all(equal)
+    assert engine_eager_reasons() == {}, engine_eager_reasons()
+
+
+class _SetitemWhole(torch.nn.Module):
+    """HunyuanVideo's token refiner: ``mask[:, :, :, 0] = True`` on a (B, 1, S, S) mask."""
+
+    def forward(self, x):
+        mask = (x[:, None, :, None] > 0) & (x[:, None, None, :] > 0)
+        mask[:, :, :, 0] = True
+        return (mask.float() * 2,)
+
+
+def test_setitem_through_a_whole_slice_gives_the_static_graph(lowered):
+    """Setitem's slices that take all of a dimension: a static capture has no slice (applySlicing
+    elides it for setitem too), at_sizes keeps slice + slice_scatter (a full copy of the mask)."""
+    make = lambda n: (torch.randn(2, n),)  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_SetitemWhole().eval(), "SetitemWhole", make, [3, 5, 7], lowered)
+    assert all(equal)
+    assert made == expected, "\n".join(map(str, made))
+
+
+class _SingleSlice(torch.nn.Module):
+    """``x[:n]`` (one slice, not a tuple): ATen's get_item passes disable_slice_optimization=True."""
+
+    def forward(self, x, y):
+        return (x[: y.shape[0]] * 2,)
+
+
+def test_a_single_slice_index_stays_a_slice(lowered):
+    make = lambda n: (torch.randn(n, 4), torch.randn(n + 2, 4))  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_SingleSlice().eval(), "SingleSlice", make, [3, 5, 7], lowered)
+    assert all(equal)
+    assert made == expected, (made, expected)
+
+
+class _TupleWhole(torch.nn.Module):
+    """``x[:, :n]`` taking all of x: ATen's get_item returns ``alias(x)``, not x."""
+
+    def forward(self, x, y):
+        return (x[:, : y.shape[1]] * 2,)
+
+
+def test_a_whole_tuple_index_is_an_alias(lowered):
+    make = lambda n: (torch.randn(2, n, 4), torch.randn(2, n + 2, 4))  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_TupleWhole().eval(), "TupleWhole", make, [3, 5, 7], lowered)
+    assert all(equal)
+    assert made == expected, (made, expected)
+
+
+class _RotaryAfterText(torch.nn.Module):
+    """CogView4's attention: ``query[:, :, text_len:, :] = rotary(query[:, :, text_len:, :])``."""
+
+    def forward(self, q):
+        q = q * 1
+        q[:, :, 3:, :] = q[:, :, 3:, :] * 2
+        return (q,)
+
+
+def test_setitem_on_a_symbolic_batch_adds_no_copies(lowered):
+    """The batch (symbolic from the second batch size on) is indexed with ``:``: at_sizes keeps a
+    slice and a slice_scatter of the whole tensor a static capture does not have."""
+    make = lambda b: (torch.randn(b, 2, 9, 4),)  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_RotaryAfterText().eval(), "RotaryAfterText", make, [2, 3, 5], lowered)
+    assert all(equal)
+    assert made == expected, "\n".join(map(str, made))
+
+
+class _Fp32Inside(torch.nn.Module):
+    """A block that keeps a product in fp32 (autocast off inside), run under the caller's autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            y = x.float() @ self.w.float()
+        return (torch.sigmoid(y) * 2 + 1,)
+
+
+def test_at_sizes_ignores_the_callers_autocast(lowered):
+    """at_sizes runs the ATen ops on fake tensors under the caller's autocast (AOTAutograd's runtime
+    wrapper disables it when the graph runs): the fp32 mm gets a bf16 ``val``, the engine writes
+    kernels for bf16 loads of fp32 tensors (on the CPU: the fused kernel raises, the region is
+    disabled as 'failed verification')."""
+    module = _Fp32Inside().eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        make = lambda n: (torch.randn(2, n, 8),)  # noqa: E731
+        expected, made, equal = _static_and_symbolic(module, "Fp32Inside", make, [3, 5, 7], lowered)
+    assert all(equal)
+    mm = [op for op in made if op[1] == "aten.mm.default"]
+    assert made == expected, mm
+
+
+class _SetitemLoneSlice(torch.nn.Module):
+    """``x[:n] = v`` (one slice, not a tuple) that takes all of x."""
+
+    def forward(self, x, y):
+        x = x * 1
+        x[: y.shape[0]] = 3.0
+        return (x * 2,)
+
+
+def test_a_lone_slice_assignment_gives_the_static_graph(lowered):
+    make = lambda n: (torch.randn(n, 4), torch.randn(n + 2, 4))  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_SetitemLoneSlice().eval(), "SetitemLoneSlice", make, [3, 5, 7],
+                                                 lowered)
+    assert all(equal)
+    assert made == expected, "\n".join(map(str, made))

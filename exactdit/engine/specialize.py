@@ -10,10 +10,13 @@ each value's metadata of those sizes), the engine rewrites that graph, and the r
 the signature.
 
 Why that graph is the one a capture at those sizes would give: Dynamo builds its guards after the
-backend returns, so they hold every choice the model's Python and AOTAutograd made from sizes
-(a reshape's copy, a matmul's folding), and :func:`at_sizes` runs no Python of the model, only
-the ATen graph's size arithmetic. Dynamo captures sizes 0 and 1 as constants, never as symbols.
-tests/engine/test_specialize.py compares the two op for op on ten production classes. Where the
+backend returns, so they hold the choices the model's Python and AOTAutograd made from sizes by
+guarding (a reshape's copy, a matmul's folding), and :func:`at_sizes` runs no Python of the
+model, only the ATen graph's size arithmetic. Choices ATen makes only where a fact is known
+without a guard (``applySlice``'s whole slices) differ between symbolic and static sizes:
+:func:`at_sizes` makes the static ones for indexing; any other such place would show as a graph
+unlike the static capture's. tests/engine/test_specialize.py compares the two op for op on ten
+production classes, and a review did on 33 minis. Dynamo captures sizes 0 and 1 as constants. Where the
 symbolic lowering cannot be used (a graph with autograd recording, AOTAutograd's inputs not
 Dynamo's), each signature goes through AOTAutograd with static sizes instead (slower, the same
 graph). What a new resolution then costs is a pass over the ATen graph and the engine's rewrite,
@@ -33,7 +36,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
 from exactdit import first_calls, gate
 from exactdit.engine import coverage
@@ -121,13 +124,14 @@ def _reads_values(*values) -> bool:
                for a in torch.utils._pytree.tree_leaves(values))
 
 
-def whole_slices_left_out(gm: fx.GraphModule) -> dict[str, object]:
+def whole_slices_left_out(gm: fx.GraphModule) -> dict[tuple, object]:
     """The nodes of ``gm`` (Dynamo's graph) whose indexing leaves out a slice known to take a whole
     dim (ATen's ``applySlice``; known at static sizes, not always at symbolic ones), by name:
     ``operator.getitem`` with a tuple (``x[:, :n]``; a lone slice, ``x[:n]``, is kept) or
-    ``operator.setitem`` with a tuple or a slice (``x[:, 0] = v``, ``x[:n] = v``)."""
+    ``operator.setitem`` with a tuple or a slice (``x[:, 0] = v``, ``x[:n] = v``). Keys: the graph's
+    id and the node's name, as AOTAutograd's nodes name their source (``from_node``)."""
     kinds = {operator.getitem: (tuple,), operator.setitem: (tuple, slice)}
-    return {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"
+    return {(id(gm.graph), n.name): n.target for n in gm.graph.nodes if n.op == "call_function"
             and n.target in kinds and isinstance(n.args[1], kinds[n.target])}
 
 
@@ -136,26 +140,31 @@ _SLICES = {torch.ops.aten.slice.Tensor: ("x", "dim", "start", "end", "step"),
            torch.ops.aten.slice_scatter.default: ("x", "src", "dim", "start", "end", "step")}
 
 
-def _made_for(node: fx.Node) -> str | None:
-    """The name of the node of Dynamo's graph that AOTAutograd made ``node`` for."""
+def _made_for(node: fx.Node) -> tuple | None:
+    """The node of Dynamo's graph (its graph's id, its name) that AOTAutograd made ``node`` for."""
     sources = node.meta.get("from_node")
-    return sources[-1].name if sources else None
+    return (sources[-1].graph_id, sources[-1].name) if sources else None
 
 
-def _indexing(node: fx.Node, tuples: dict) -> str | None:
+def _indexing(node: fx.Node, tuples: dict) -> tuple | None:
     """The indexing (a name in ``tuples``) slice or slice scatter ``node`` was made for."""
     made_for = _made_for(node) if node.target in _SLICES else None
     return made_for if made_for in tuples else None
 
 
 def _whole(node: fx.Node, args, kwargs) -> bool:
-    """Whether slice (or slice scatter) ``node`` at these sizes covers all of its input's dim."""
+    """Whether slice (or slice scatter) ``node`` at these sizes covers all of its input's dim, known
+    without a guard (ATen's test; an unbacked size is not known), and a scatter's source is a whole
+    input of the base's dtype (the scatter is then its source)."""
     bound = {"dim": 0, "start": None, "end": None, "step": 1, **dict(zip(_SLICES[node.target], args)), **kwargs}
-    start, end, size = bound["start"], bound["end"], bound["x"].shape[bound["dim"]]
-    return start in (None, 0) and bound["step"] == 1 and (end is None or end >= size)
+    x, start, end = bound["x"], bound["start"], bound["end"]
+    if "src" in bound and (bound["src"].dtype != x.dtype or bound["src"].shape != x.shape):
+        return False
+    return (start is None or statically_known_true(start == 0)) and bound["step"] == 1 and (
+        end is None or statically_known_true(x.shape[bound["dim"]] <= end))
 
 
-def at_sizes(gm: fx.GraphModule, args, tuples: dict[str, object] | None = None) -> fx.GraphModule:
+def at_sizes(gm: fx.GraphModule, args, tuples: dict[tuple, object] | None = None) -> fx.GraphModule:
     """A copy of ``gm`` (an ATen graph with symbolic sizes) for inputs of the sizes of ``args`` (the
     call's), as a static capture at those sizes gives it:
 
@@ -176,9 +185,9 @@ def at_sizes(gm: fx.GraphModule, args, tuples: dict[str, object] | None = None) 
     vals: dict[fx.Node, object] = {}  # node -> its value at these sizes
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
-    made_by: dict[str, list[fx.Node]] = {}  # a tuple indexing -> the nodes made for it
+    made_by: dict[tuple, list[fx.Node]] = {}  # an indexing -> the tensors made for it (views, scatters)
     for node in gm.graph.nodes:
-        if _made_for(node) in tuples:
+        if isinstance(node.meta.get("val"), torch.Tensor) and _made_for(node) in tuples:
             made_by.setdefault(_made_for(node), []).append(node)
     left_out: set[fx.Node] = set()
     with enable_python_dispatcher(), torch._C._DisableAutocast(), mode:
@@ -283,6 +292,8 @@ class PerSignature:
         self.symbolic: Symbolic | None = None
         try:  # not where the graph reads a number: ATen's kernels take it as a double, a guard on its value
             self.symbolic = None if self.values else Symbolic(gm, example_inputs)
+        except torch._dynamo.exc.RestartAnalysis:  # Dynamo's own signal to trace again: its to handle
+            raise
         except Exception as e:  # noqa: BLE001 - each signature through AOTAutograd instead
             logger.info("exactdit: %s lowered per signature: %s: %s", label, type(e).__name__, e)
         if self.symbolic is None:

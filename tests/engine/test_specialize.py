@@ -455,3 +455,33 @@ def test_a_lone_slice_assignment_gives_the_static_graph(lowered):
                                                  lowered)
     assert all(equal)
     assert made == expected, "\n".join(map(str, made))
+
+
+class _UnbackedEnd(torch.nn.Module):
+    """A slice whose end is a value read from a tensor (an unbacked size)."""
+
+    def forward(self, x, m):
+        return (x[:, : m.sum().item()] * 2,)
+
+
+def test_a_slice_of_an_unbacked_size_is_made_concrete(monkeypatch):
+    """Whether such a slice takes a whole dim is not known without a guard: it is kept (as ATen
+    keeps it), and the signature is made by at_sizes, not handed to AOTAutograd; equal to eager."""
+    aot, make_lowering = [], backend.aot_autograd
+
+    def counting(**kwargs):
+        lower = make_lowering(**kwargs)
+        return lambda gm, args: (aot.append(1), lower(gm, args))[1]
+
+    monkeypatch.setattr(backend, "aot_autograd", counting)
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    module = _UnbackedEnd().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("UnbackedEnd"), fullgraph=True, dynamic=True)
+    try:
+        with torch.no_grad():
+            for n, k in ((5, 5), (7, 3), (9, 9)):
+                x, m = torch.randn(2, n), torch.ones(k, dtype=torch.long)
+                assert all(map(torch.equal, compiled(x, m), module(x, m)))
+    finally:
+        torch._dynamo.reset()
+    assert aot == [] and engine_eager_reasons() == {}, (aot, engine_eager_reasons())

@@ -146,10 +146,10 @@ def _made_for(node: fx.Node) -> tuple | None:
     return (sources[-1].graph_id, sources[-1].name) if sources else None
 
 
-def _indexing(node: fx.Node, tuples: dict) -> tuple | None:
-    """The indexing (a name in ``tuples``) slice or slice scatter ``node`` was made for."""
+def _indexing(node: fx.Node, indexings: dict) -> tuple | None:
+    """The indexing (a name in ``indexings``) slice or slice scatter ``node`` was made for."""
     made_for = _made_for(node) if node.target in _SLICES else None
-    return made_for if made_for in tuples else None
+    return made_for if made_for in indexings else None
 
 
 def _whole(node: fx.Node, args, kwargs) -> bool:
@@ -164,13 +164,13 @@ def _whole(node: fx.Node, args, kwargs) -> bool:
         end is None or statically_known_true(x.shape[bound["dim"]] <= end))
 
 
-def at_sizes(gm: fx.GraphModule, args, tuples: dict[tuple, object] | None = None) -> fx.GraphModule:
+def at_sizes(gm: fx.GraphModule, args, indexings: dict[tuple, object] | None = None) -> fx.GraphModule:
     """A copy of ``gm`` (an ATen graph with symbolic sizes) for inputs of the sizes of ``args`` (the
     call's), as a static capture at those sizes gives it:
 
     * each node that computes a size (``sym_size``, arithmetic on sizes) becomes the constant it
       computes, and an assertion on sizes that holds goes;
-    * where an indexing (``tuples``: :func:`whole_slices_left_out` of Dynamo's graph) sliced all
+    * where an indexing (``indexings``: :func:`whole_slices_left_out` of Dynamo's graph) sliced all
       of a dim, the slice goes (ATen's ``applySlice`` leaves it out where that is known without
       a guard: at static sizes, not at symbolic ones), and so does the slice scatter that writes
       it back (``x[:, 0] = v``); a reading index left with nothing else is ``alias(x)``, as ATen's
@@ -178,7 +178,7 @@ def at_sizes(gm: fx.GraphModule, args, tuples: dict[tuple, object] | None = None
     * every other node is kept, its ``val`` of these sizes (fake tensors of a fresh mode), run as
       AOTAutograd traces (the Python dispatcher on, autocast off). Placeholders are kept, integer
       ones unused."""
-    graph, tuples = fx.Graph(), tuples or {}
+    graph, indexings = fx.Graph(), indexings or {}
     fakes = _static_fakes(args)
     mode = next((f.fake_mode for f in fakes if isinstance(f, torch.Tensor)), None) or FakeTensorMode()
     env: dict[fx.Node, object] = {}  # node -> its node in the copy, or the constant it is
@@ -187,7 +187,7 @@ def at_sizes(gm: fx.GraphModule, args, tuples: dict[tuple, object] | None = None
     position = {n: i for i, n in enumerate(placeholders)}
     made_by: dict[tuple, list[fx.Node]] = {}  # an indexing -> the tensors made for it (views, scatters)
     for node in gm.graph.nodes:
-        if isinstance(node.meta.get("val"), torch.Tensor) and _made_for(node) in tuples:
+        if isinstance(node.meta.get("val"), torch.Tensor) and _made_for(node) in indexings:
             made_by.setdefault(_made_for(node), []).append(node)
     left_out: set[fx.Node] = set()
     with enable_python_dispatcher(), torch._C._DisableAutocast(), mode:
@@ -202,13 +202,13 @@ def at_sizes(gm: fx.GraphModule, args, tuples: dict[tuple, object] | None = None
                 val = mode.from_tensor(val, static_shapes=True) if isinstance(val, torch.Tensor) else val
             else:
                 call_args, call_kwargs = fx.map_arg((node.args, node.kwargs), lambda a: vals[a])
-                indexing = _indexing(node, tuples)
+                indexing = _indexing(node, indexings)
                 if indexing is not None and _whole(node, call_args, call_kwargs):
                     left_out.add(node)
                     kept = node.args[0] if node.target is torch.ops.aten.slice.Tensor else node.args[1]
                     vals[node] = vals[kept]
                     env[node] = env[kept]
-                    if tuples[indexing] is operator.getitem and left_out.issuperset(made_by[indexing]):
+                    if indexings[indexing] is operator.getitem and left_out.issuperset(made_by[indexing]):
                         vals[node] = torch.ops.aten.alias.default(vals[kept])
                         env[node] = graph.call_function(torch.ops.aten.alias.default, (env[kept],))
                         env[node].meta = {**_kept_meta(node), "val": vals[node]}
@@ -288,7 +288,7 @@ class PerSignature:
         self.gm, self.label, self.lower, self.rewrite = gm, label, lower, rewrite
         self.values = value_positions(gm, example_inputs)
         self.positions = symbolic_positions(example_inputs)
-        self.tuples = whole_slices_left_out(gm)
+        self.indexings = whole_slices_left_out(gm)
         self.symbolic: Symbolic | None = None
         try:  # not where the graph reads a number: ATen's kernels take it as a double, a guard on its value
             self.symbolic = None if self.values else Symbolic(gm, example_inputs)
@@ -328,7 +328,7 @@ class PerSignature:
             gate.forget(name + ".")
 
     def _made_concrete(self, args):
-        symbolic, graph = self.symbolic, at_sizes(self.symbolic.gm, args, self.tuples)
+        symbolic, graph = self.symbolic, at_sizes(self.symbolic.gm, args, self.indexings)
         rewritten = self.rewrite(graph, [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"])
         return lambda *call_args: symbolic.call(rewritten, call_args)
 

@@ -156,11 +156,11 @@ def test_each_signature_is_lowered_once_and_a_failure_runs_dynamos_graph(monkeyp
     def sizes(args):
         return [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
 
-    def failing_at_seven_and_nine(gm, args, tuples=None):
+    def failing_at_seven_and_nine(gm, args, indexings=None):
         made.append(sizes(args))
         if {7, 9} & set(sizes(args)):
             raise RuntimeError("cannot make\nsecond line")
-        return real(gm, args, tuples)
+        return real(gm, args, indexings)
 
     def aot_failing_at_seven(**kwargs):
         lower = make_lowering(**kwargs)

@@ -16,7 +16,7 @@ model, only the ATen graph's size arithmetic. Choices ATen makes only where a fa
 without a guard (``applySlice``'s whole slices) differ between symbolic and static sizes:
 :func:`at_sizes` makes the static ones for indexing; any other such place would show as a graph
 unlike the static capture's. tests/engine/test_specialize.py compares the two op for op on ten
-production classes, and a review did on 33 minis. Dynamo captures sizes 0 and 1 as constants. Where the
+production classes, and a review did on 32 minis. Dynamo captures sizes 0 and 1 as constants. Where the
 symbolic lowering cannot be used (a graph with autograd recording, AOTAutograd's inputs not
 Dynamo's), each signature goes through AOTAutograd with static sizes instead (slower, the same
 graph). What a new resolution then costs is a pass over the ATen graph and the engine's rewrite,
@@ -292,7 +292,7 @@ class PerSignature:
         self.symbolic: Symbolic | None = None
         try:  # not where the graph reads a number: ATen's kernels take it as a double, a guard on its value
             self.symbolic = None if self.values else Symbolic(gm, example_inputs)
-        except torch._dynamo.exc.RestartAnalysis:  # Dynamo's own signal to trace again: its to handle
+        except torch._dynamo.exc.RestartAnalysis:  # Dynamo's own signal to trace again, for Dynamo
             raise
         except Exception as e:  # noqa: BLE001 - each signature through AOTAutograd instead
             logger.info("exactdit: %s lowered per signature: %s: %s", label, type(e).__name__, e)

@@ -272,44 +272,6 @@ def test_a_dropped_signature_leaves_no_reports_or_gate_state(monkeypatch):
     assert ops and ops <= set(graphs), (ops, graphs)
 
 
-class _Slices(torch.nn.Module):
-    def forward(self, x, n: int):
-        whole = x[None, :, :] * 2  # indexing that takes all of dims 1, 2: no slice in a static capture
-        part = x[:, 1:] * 3  # a real slice
-        narrowed = x.narrow(1, 0, x.shape[1]) * 4  # narrow records its slice whatever it takes
-        return whole, part, narrowed, x.reshape(x.shape[0], -1) * n  # sizes computed from sizes
-
-
-def test_at_sizes_gives_a_static_captures_graph(lowered):
-    """Size arithmetic folded to constants, an indexing slice that takes its whole input dropped
-    (as ATen's indexing does where sizes are static), other slices kept: the graph made at a third
-    shape is op for op the one a static capture there gives, and its result equal to eager."""
-    module = _Slices().eval()
-    shapes = [(2, 3, 8), (2, 5, 8), (2, 7, 8)]
-    xs = [torch.randn(*s) for s in shapes]
-    with torch.no_grad():
-        static = torch.compile(module, backend=backend.make_backend("Slices"), fullgraph=True, dynamic=False)
-        try:
-            assert all(map(torch.equal, static(xs[2], 2), module(xs[2], 2)))
-        finally:
-            torch._dynamo.reset()
-        expected = list(lowered["Slices"])
-        lowered.clear()
-        symbolic = torch.compile(module, backend=backend.make_backend("Slices"), fullgraph=True, dynamic=None)
-        try:
-            for x in xs:
-                assert all(map(torch.equal, symbolic(x, 2), module(x, 2)))
-        finally:
-            torch._dynamo.reset()
-    made = lowered["Slices"][-1]
-    assert made in expected, (made, expected)
-    assert sum("slice" in op[1] for op in made) == 2  # x[:, 1:] and the narrow
-    assert not any("sym_size" in op[1] for op in made)
-
-
-# --- indexing, unbacked sizes and autocast (cases a review found) ---------------------------------
-
-
 def _static_and_symbolic(module, name, make, sizes, lowered, dynamic=None):
     """(the graph a static capture at sizes[-1] gives, the graph at_sizes made there, every output equal)"""
     state.reset()
@@ -331,6 +293,28 @@ def _static_and_symbolic(module, name, make, sizes, lowered, dynamic=None):
     return expected, lowered[name][-1], equal
 
 
+class _Slices(torch.nn.Module):
+    def forward(self, x, n: int):
+        whole = x[None, :, :] * 2  # indexing that takes all of dims 1, 2: no slice in a static capture
+        part = x[:, 1:] * 3  # a real slice
+        narrowed = x.narrow(1, 0, x.shape[1]) * 4  # narrow records its slice whatever it takes
+        return whole, part, narrowed, x.reshape(x.shape[0], -1) * n  # sizes computed from sizes
+
+
+def test_at_sizes_gives_a_static_captures_graph(lowered):
+    """Size arithmetic folded to constants, an indexing slice that takes its whole input dropped
+    (as ATen's indexing does where sizes are static), other slices kept: the graph made at a third
+    shape is op for op the one a static capture there gives, and its result equal to eager."""
+    make = lambda n: (torch.randn(2, n, 8), 2)  # noqa: E731
+    expected, made, equal = _static_and_symbolic(_Slices().eval(), "Slices", make, [3, 5, 7], lowered)
+    assert all(equal) and made == expected, (made, expected)
+    assert sum("slice" in op[1] for op in made) == 2  # x[:, 1:] and the narrow
+    assert not any("sym_size" in op[1] for op in made)
+
+
+# --- indexing, unbacked sizes and autocast (cases a review found) ---------------------------------
+
+
 class _PadUnbacked(torch.nn.Module):
     """Mochi's attention: the prompt's valid tokens (nonzero: an unbacked size), padded back."""
 
@@ -341,8 +325,8 @@ class _PadUnbacked(torch.nn.Module):
 
 
 def test_unbacked_pad_is_lowered(lowered):
-    """constant_pad_nd with an unbacked pad: at_sizes runs it without the Python dispatcher (AOTAutograd
-    traces with it on), so the C++ meta refuses symbolic pads and every signature runs eager."""
+    """A pad of an unbacked size: at_sizes runs it under the Python dispatcher, as AOTAutograd traces
+    (without it the C++ meta refuses a symbolic pad and every signature ran eager)."""
     make = lambda n: (torch.randn(2, n, 8), torch.arange(n) % 3 != 1)  # noqa: E731
     _, _, equal = _static_and_symbolic(_PadUnbacked().eval(), "PadUnbacked", make, [5, 7, 9], lowered)
     assert all(equal)
@@ -359,8 +343,8 @@ class _SetitemWhole(torch.nn.Module):
 
 
 def test_setitem_through_a_whole_slice_gives_the_static_graph(lowered):
-    """Setitem's slices that take all of a dimension: a static capture has no slice (applySlicing
-    elides it for setitem too), at_sizes keeps slice + slice_scatter (a full copy of the mask)."""
+    """Item assignment through slices that take all of a dim: no slice and no slice scatter (a full
+    copy of the mask), as in a static capture (ATen's indexing leaves them out)."""
     make = lambda n: (torch.randn(2, n),)  # noqa: E731
     expected, made, equal = _static_and_symbolic(_SetitemWhole().eval(), "SetitemWhole", make, [3, 5, 7], lowered)
     assert all(equal)
@@ -405,8 +389,8 @@ class _RotaryAfterText(torch.nn.Module):
 
 
 def test_setitem_on_a_symbolic_batch_adds_no_copies(lowered):
-    """The batch (symbolic from the second batch size on) is indexed with ``:``: at_sizes keeps a
-    slice and a slice_scatter of the whole tensor a static capture does not have."""
+    """The batch (symbolic from the second batch size on) indexed with ``:`` in an assignment: no
+    slice and no slice scatter of the whole tensor, as in a static capture."""
     make = lambda b: (torch.randn(b, 2, 9, 4),)  # noqa: E731
     expected, made, equal = _static_and_symbolic(_RotaryAfterText().eval(), "RotaryAfterText", make, [2, 3, 5], lowered)
     assert all(equal)
@@ -426,11 +410,10 @@ class _Fp32Inside(torch.nn.Module):
         return (torch.sigmoid(y) * 2 + 1,)
 
 
-def test_at_sizes_ignores_the_callers_autocast(lowered):
-    """at_sizes runs the ATen ops on fake tensors under the caller's autocast (AOTAutograd's runtime
-    wrapper disables it when the graph runs): the fp32 mm gets a bf16 ``val``, the engine writes
-    kernels for bf16 loads of fp32 tensors (on the CPU: the fused kernel raises, the region is
-    disabled as 'failed verification')."""
+def test_the_callers_autocast_leaves_the_graph_as_captured(lowered):
+    """at_sizes runs with autocast off, as AOTAutograd's runtime wrapper runs the graph: under the
+    caller's autocast an fp32 matmul keeps its fp32 ``val`` (with it on, the engine wrote kernels
+    loading fp32 tensors as bf16)."""
     module = _Fp32Inside().eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         make = lambda n: (torch.randn(2, n, 8),)  # noqa: E731

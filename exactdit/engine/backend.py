@@ -72,6 +72,7 @@ def dedupe(graph: fx.Graph) -> int:
     nondeterminism are left alone. Returns the number of nodes removed."""
     seen: dict = {}
     removed = 0
+    returned = _returned_storages(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or not _pure(node.target):
             continue
@@ -80,11 +81,26 @@ def dedupe(graph: fx.Graph) -> int:
             first = seen.setdefault(key, node)
         except TypeError:  # an unhashable argument
             continue
-        if first is not node:
+        if first is not node and not (node in returned and first in returned):
             node.replace_all_uses_with(first)
             graph.erase_node(node)
             removed += 1
     return removed
+
+
+def _returned_storages(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose storage the graph hands back: each output and, through views, its base.
+    Two of them merged would give the caller one storage where eager gave two."""
+    out: set[fx.Node] = set()
+    stack = list(graph.output_node().all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node in out:
+            continue
+        out.add(node)
+        if node.op == "call_function" and (node.target is operator.getitem or getattr(node.target, "is_view", False)):
+            stack.extend(node.all_input_nodes[:1])
+    return out
 
 
 def split_per_piece(graph: fx.Graph) -> int:

@@ -33,6 +33,21 @@ def test_repeated_pure_ops_are_computed_once_and_random_ones_not():
     assert [n.target for n in gm.graph.nodes].count(aten.rand_like.default) == 2
 
 
+def test_two_outputs_computed_alike_stay_two_tensors():
+    # eager returns two tensors for `return x.silu(), x.silu()` (or views of each): merging them
+    # would hand the caller one storage, where an in-place change to one output changes the other
+    from exactdit.engine.backend import dedupe
+
+    b = GraphBuilder()
+    x = b.input(torch.randn(4, 8))
+    s1, s2, s3 = (b.op(aten.silu.default, x) for _ in range(3))
+    gm = b.module(s1, b.op(aten.t.default, s2), b.op(aten.add.Tensor, s3, 1.0))
+    assert dedupe(gm.graph) == 1  # the silu only read inside the graph is still computed once
+    returned = [a for a in gm.graph.output_node().args[0]]
+    bases = [n if n.target is aten.silu.default else n.args[0] for n in returned[:2]]
+    assert bases[0] is not bases[1]
+
+
 def test_a_region_reads_an_empty_cat_piece_it_never_loads():
     # x_in[..., rot_dim:] is empty when RoPE covers the whole head (ERNIE-Image); under context
     # parallelism it slices a graph input, which the region's ATen reference must still receive

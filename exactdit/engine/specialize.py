@@ -302,6 +302,7 @@ class PerSignature:
         self.lowered: dict[tuple, tuple] = {}
         #: ``(args, key)``, called after each new signature is lowered (what a capture is for a static graph)
         self.on_new_signature = None
+        self._lowering = threading.RLock()
 
     def __call__(self, *args):
         key = tuple(_concrete(args[i]) for i in self.positions)
@@ -310,15 +311,20 @@ class PerSignature:
             key += tuple(map(_value_key, values.values()))
         entry = self.lowered.get(key)
         if entry is None:
-            if len(self.lowered) >= KEPT_SIGNATURES:  # the oldest goes (lowered again if it comes back)
-                self._forget(self.lowered.pop(next(iter(self.lowered)))[1])
-            known = {g.name for g in coverage.graphs()}
-            with first_calls.phase("specialize", self.label):
-                run = self._lowered(args, values)
-            entry = self.lowered[key] = (run, [g.name for g in coverage.graphs() if g.name not in known])
-            if self.on_new_signature is not None:
-                self.on_new_signature(args, key)
+            with self._lowering:  # a second thread at this signature waits for the first's lowering
+                entry = self.lowered.get(key) or self._new_signature(args, key, values)
         return entry[0](*args)
+
+    def _new_signature(self, args, key, values):
+        if len(self.lowered) >= KEPT_SIGNATURES:  # the oldest goes (lowered again if it comes back)
+            self._forget(self.lowered.pop(next(iter(self.lowered)))[1])
+        known = {g.name for g in coverage.graphs()}
+        with first_calls.phase("specialize", self.label):
+            run = self._lowered(args, values)
+        entry = self.lowered[key] = (run, [g.name for g in coverage.graphs() if g.name not in known])
+        if self.on_new_signature is not None:
+            self.on_new_signature(args, key)
+        return entry
 
     @staticmethod
     def _forget(graphs: list[str]) -> None:

@@ -209,6 +209,42 @@ def test_a_symbolic_graph_keeps_its_latest_signatures(monkeypatch):
     assert lowerings == [5, 7, 9, 5], lowerings  # 3: static capture; 5 was dropped for 9 and came back
 
 
+def test_two_threads_at_one_new_signature_lower_it_once(monkeypatch):
+    """Two threads meeting a new size together: one lowers it, the other waits and runs the
+    same lowering (no second lowering, no oldest signature dropped twice)."""
+    import threading
+    import time
+
+    lowerings = []
+    real = specialize.PerSignature._lowered
+
+    def slow(self, args, values):
+        lowerings.append(args[-1].shape[1])
+        time.sleep(0.3)  # long enough for the other thread to arrive
+        return real(self, args, values)
+
+    monkeypatch.setattr(specialize, "KEPT_SIGNATURES", 1)
+    monkeypatch.setattr(specialize.PerSignature, "_lowered", slow)
+    module = _Rows().eval()
+    compiled = torch.compile(module, backend=backend.make_backend("Rows"), fullgraph=True, dynamic=None)
+    inputs = {n: torch.randn(2, n, 8) for n in (3, 5, 7)}
+    equal = []
+
+    def call(n):
+        with torch.no_grad():
+            equal.append(torch.equal(compiled(inputs[n]), module(inputs[n])))
+
+    try:
+        call(3), call(5)
+        threads = [threading.Thread(target=call, args=(7,)) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    finally:
+        torch._dynamo.reset()
+    assert equal == [True] * 4, equal
+    assert lowerings == [5, 7], lowerings
+
+
 class _Normed(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -217,11 +217,16 @@ class EngineCall:
         # slice), and a layout captured static there is captured again at the next resolution
         marks = _sizes_symbolic((args, kwargs)) if self.unmarked else contextlib.nullcontext()
         self.unmarked = False
+        # the retry and the capture in parts under the marks too: each is this block's first capture
+        with marks:
+            return self._captured_or_parts(compiled, parts, eager, *args, **kwargs)
+
+    def _captured_or_parts(self, compiled, parts, eager, *args, **kwargs):
+        state = self.state
         try:
-            with marks:
-                if state.values_as_constants:
-                    return compiled(*values_for_ints(args), **values_for_ints(kwargs))
-                return compiled(*args, **kwargs)
+            if state.values_as_constants:
+                return compiled(*values_for_ints(args), **values_for_ints(kwargs))
+            return compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a block the engine cannot capture whole still runs
             if isinstance(e, torch.OutOfMemoryError):  # this call's, not the block's: eager runs it (or fails)
                 gate.count_eager(f"engine.{state.label}", OUT_OF_MEMORY)

@@ -140,12 +140,15 @@ def _wan_animate_2_generation_inputs(kv_cache, seed: int = 6) -> dict:
                 seq_len=12, reference_grid_sizes=torch.tensor([[2, 2, 2]]), origin_len=5, origin_area=[32, 32])
 
 
-def test_a_block_computing_shapes_from_an_integer_tensor_is_captured_whole():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_block_computing_shapes_from_an_integer_tensor_is_captured_whole(dynamic):
     """WanAnimate2's blocks read the patch grid from a (1, 3) integer tensor (``grid_sizes.tolist()``
     in ``rope_apply``) and slice by its products; Dynamo turns the values into unbacked symbols and
     cannot guard on ``freqs[0][:f]`` ("Could not guard on data-dependent expression 6*u4 < 2"). The
     blocks are handed the values instead (``IntValues``) and captured whole: the reference pass (its
-    K/V cache too) and the generation pass equal diffusers' (issue 35 item 18)."""
+    K/V cache too) and the generation pass equal diffusers' (issue 35 item 18). Under
+    ``dynamic=True`` that second capture is the block's first too: its sizes are symbolic."""
+    from exactdit import first_calls, state
     from exactdit.engine import coverage
 
     tr = minis.build("wan-animate-2", dtype=torch.float32, seed=4)
@@ -155,13 +158,16 @@ def test_a_block_computing_shapes_from_an_integer_tensor_is_captured_whole():
         one = minis.forward_inputs("wan-animate-2", tr, batch=1, seed=5)
         run_forward(tr, one)  # a one-sample cache for the generation pass
         ref_gen = run_forward(tr, _wan_animate_2_generation_inputs(one["kv_cache"]))
-        exactdit.patch(tr)
+        state.reset()
+        torch._dynamo.reset()
+        exactdit.patch(tr, dynamic=dynamic)
         try:
             out = run_forward(tr, kw)
             gen = run_forward(tr, _wan_animate_2_generation_inputs(one["kv_cache"]))
         finally:
             exactdit.unpatch(tr)
     assert outputs_equal(out, ref) and outputs_equal(gen, ref_gen)
+    assert (first_calls.totals().get("specialize", (0, 0))[1] > 0) == dynamic  # made concrete from symbolic sizes
     for a, b in zip(kw["kv_cache"].layer_caches, ref_kw["kv_cache"].layer_caches):
         assert torch.equal(a.key, b.key) and torch.equal(a.value, b.value)
     graphs = [k for k in exactdit.report(show=False) if k.startswith("WanAnimate2Transformer3DModel.WanAnimate2TransformerBlock#")]

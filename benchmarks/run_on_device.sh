@@ -35,6 +35,8 @@
 #                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
 #   new-sizes-tests  pytest -m gpu tests/minis/test_gpu_minis.py -k new_sizes: 33 minis at three batch sizes in a row under
 #                    dynamic=None (static, symbolic, made concrete), equal to eager; MINIS_K="flux2 or sd3" narrows, ~8 minutes
+#   specialize-cpu   tests/engine/test_specialize.py (slow cases too) on the image's torch, on the CPU in Triton's
+#                    interpreter: at_sizes and the indexing matched through node.meta["from_node"] on another torch
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
 # Other models at production size (bench_engine.py with regional compile and CUDA graphs):
 #   models-bench     Qwen-Image 1024^2, Z-Image-Turbo 1024^2, Wan2.1-14B 480x832x33
@@ -158,6 +160,9 @@ for stage in "$@"; do
     new-sizes-tests)
       timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -k "new_sizes${MINIS_K:+ and ($MINIS_K)}" -rf \
         2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tee "$OUT/gpu_minis_new_sizes.log" | tail -40 ;;
+    specialize-cpu)
+      TRITON_INTERPRET=1 timeout 400 python3 -m pytest -q -p no:cacheprovider -m "not gpu" -rf \
+        tests/engine/test_specialize.py 2>&1 | grep -v Warn | tee "$OUT/specialize_cpu.log" | tail -8 ;;
     host)
       timeout 150 python3 benchmarks/kernels/bench_host_overhead.py --calls 3000 2>&1 | grep -v Warn | tee "$OUT/host_overhead.log" | tail -30 ;;
     graphs-equality)

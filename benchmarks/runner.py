@@ -84,14 +84,18 @@ def kernels_ready_s() -> float:
     return time.perf_counter() - t
 
 
-def first_call_s(tr, kw) -> float:
-    """Wall seconds of one call (as a user's call: regions whose kernels are still compiling run eager)."""
+def first_call_s(tr, kw, outputs: list | None = None) -> float:
+    """Wall seconds of one call (as a user's call: regions whose kernels are still compiling run eager);
+    its output appended to ``outputs`` where given."""
     _sync()
     t = time.perf_counter()
     with torch.no_grad():
-        tr(**kw, return_dict=False)
+        out = tr(**kw, return_dict=False)
     _sync()
-    return time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    if outputs is not None:
+        outputs.append(out)
+    return seconds
 
 
 def settle_graphs(tr, kw) -> None:

@@ -46,7 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--caches", choices=["cold", "warm"], default="cold",
                     help="cold: exactdit's, Triton's and Inductor's caches in an empty temporary directory")
     ap.add_argument("--compile", action="store_true", help="also diffusers' regional torch.compile's first calls")
-    ap.add_argument("--no-eager-warmup", action="store_true", help="skip the eager forward per resolution first")
+    ap.add_argument("--no-eager-warmup", action="store_true", help="skip the eager forward per resolution first (and the comparison with it)")
     ap.add_argument("--dynamic", choices=["auto", "first", "static"], default="static",
                     help="exactdit.patch's dynamic: auto (None: symbolic from a block's second shape), first (True), "
                          "static (False)")
@@ -158,22 +158,25 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
-def timed_call(tr, kw) -> float:
+def timed_call(tr, kw, outputs: list | None = None) -> float:
     from benchmarks.runner import first_call_s
 
-    return first_call_s(tr, kw)  # (synced before and after)
+    return first_call_s(tr, kw, outputs)  # (synced before and after)
 
 
-def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles) -> list[dict]:
-    """First and second call per resolution, with the account's part of each."""
+def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles, eager: list | None = None) -> list[dict]:
+    """First and second call per resolution, with the account's part of each; each output held to
+    eager's at that resolution (``eager``: one output per call, None: not compared)."""
     from benchmarks.runner import kernels_ready_s
     from exactdit import first_calls
+    from exactdit.harness.metrics import outputs_equal
 
     rows = []
-    for resolution, kw in calls:
+    for k, (resolution, kw) in enumerate(calls):
         for which in ("first", "second"):
             before, compiles, graphs = first_calls.snapshot(), triton.count, dynamo_graphs()
-            wall = timed_call(tr, kw)
+            out: list = []
+            wall = timed_call(tr, kw, out)
             ready = kernels_ready_s()  # (its regions ran eager where their kernels were compiling)
             added = difference(first_calls.snapshot(), before)
             phases = first_calls.totals(added)
@@ -183,7 +186,9 @@ def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles) -> 
                    "unaccounted_s": wall - accounted, "phases": {p: list(v) for p, v in phases.items()},
                    "per_block": {b: {p: list(v) for p, v in ph.items()} for b, ph in added.items()},
                    "triton_compiles": (triton.count - compiles) if triton.available else None,
-                   "dynamo_graphs": dynamo_graphs() - graphs}
+                   "dynamo_graphs": dynamo_graphs() - graphs,
+                   "equal": None if eager is None else outputs_equal(out[0], eager[k])}
+            del out
             rows.append(row)
             show(row)
     return rows
@@ -195,6 +200,8 @@ def show(row: dict) -> None:
     head = (f"{row['resolution']} {row['call']} call: {row['wall_s']:.2f} s; accounted {row['accounted_s']:.2f} s, "
             f"unaccounted {row['unaccounted_s']:.2f} s; Triton compiles {row['triton_compiles']}, "
             f"Dynamo graphs {row['dynamo_graphs']}")
+    if row["equal"] is not None:
+        head += "; equal to eager" if row["equal"] else "; NOT EQUAL to eager"
     if row["kernels_ready_s"] > 0.005:
         head += f"; its last kernels compiled {row['kernels_ready_s']:.2f} s after it returned"
     print(head, flush=True)
@@ -249,15 +256,17 @@ def main(argv=None) -> None:
     calls = [(r, inputs_at(args, tr, r, args.device)) for r in resolutions]
     model = f"{args.mini} mini (tiny) transformer forward" if args.mini and args.config == "tiny" else model_label(args)[0]
     print(f"built {model} in {time.perf_counter() - t:.1f} s; resolutions {resolutions}; caches {args.caches}", flush=True)
-    if not args.no_eager_warmup:
+    eager = None if args.no_eager_warmup else []
+    if eager is not None:
         for r, kw in calls:
-            print(f"eager {r or 'production'}: {timed_call(tr, kw):.2f} s (warm-up)", flush=True)
+            print(f"eager {r or 'production'}: {timed_call(tr, kw, eager):.2f} s (warm-up)", flush=True)
 
     t = time.perf_counter()
     summary = exactdit.patch(tr, dynamic=DYNAMIC[args.dynamic])
     patch_s = time.perf_counter() - t
     print(f"patch {patch_s:.2f} s {summary}", flush=True)
-    rows = profile_calls(tr, calls, triton)
+    rows = profile_calls(tr, calls, triton, eager)
+    del eager
     report = exactdit.report(show=False)
     print("\n".join(first_calls.lines(report.first_calls)), flush=True)
     exactdit.unpatch(tr)
@@ -272,7 +281,7 @@ def main(argv=None) -> None:
         results.append(dict(model_or_op=model, shape=f"{r['resolution']} B={args.batch}", dtype="bf16",
                             path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}), profiled",
                             ms=r["wall_s"] * 1e3, ratio=None,
-                            ratio_kind=None, equal=None, first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
+                            ratio_kind=None, equal=r["equal"], first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
                             patch_s=patch_s,
                             phases_s={p: round(v[0], 3) for p, v in r["phases"].items()},
                             phase_counts={p: v[1] for p, v in r["phases"].items()},

@@ -57,11 +57,13 @@ def test_mini_variant_captured_whole_and_equal_to_eager(name, overrides, block, 
     assert any(k.startswith(prefix) and v["fused"] for k, v in exactdit.report(show=False).items()), prefix
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
 @pytest.mark.parametrize("name", list(minis.MINIS))
-def test_mini_model_equal_to_eager_at_new_sizes(name):
-    """Three batch sizes in a row under ``dynamic=None``: the first captured static, the second
-    symbolic, the third made from that symbolic graph at its sizes (engine/specialize.py); each
-    forward ``torch.equal`` to the unpatched one, no region disabled."""
+def test_mini_model_equal_to_eager_at_new_sizes(name, dynamic):
+    """Three batch sizes in a row. ``dynamic=None``: the first captured static, the second
+    symbolic, the third made from that symbolic graph at its sizes (engine/specialize.py);
+    ``True``: captured symbolic at the first, each made concrete. Each forward ``torch.equal`` to
+    the unpatched one, no region disabled."""
     import exactdit
     from exactdit.harness.metrics import outputs_equal
 
@@ -70,7 +72,7 @@ def test_mini_model_equal_to_eager_at_new_sizes(name):
     refs = [run_forward(tr, kw) for kw in kws]
     torch._dynamo.reset()
     try:
-        exactdit.patch(tr, dynamic=None)
+        exactdit.patch(tr, dynamic=dynamic)
         outs = [run_forward(tr, kw) for kw in kws]
     finally:
         exactdit.unpatch(tr)

@@ -328,9 +328,10 @@ def _sizes_symbolic(values):
     symbol, where the block allows (``maybe_mark_dynamic``: a size the block's code or weights fix,
     such as a feature size, stays a constant; sizes 0 and 1 always do). The marks are the caller's
     tensors' attributes: each tensor's own are put back after (a user's compile must not see them)."""
-    saved = []
+    saved, seen = [], set()
     for value in torch.utils._pytree.tree_leaves(values):
-        if type(value) is torch.Tensor:
+        if type(value) is torch.Tensor and id(value) not in seen:  # a tensor passed twice: its own marks once
+            seen.add(id(value))
             before = {k: value.__dict__[k] for k in _MARKS if k in value.__dict__}
             saved.append((value, before))
             if "_dynamo_weak_dynamic_indices" in before:  # marked by its owner: add to a copy

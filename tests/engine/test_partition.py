@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from exactdit.engine import timing
+from exactdit.engine.backend import make_backend
 from exactdit.harness import models
 from exactdit.patches.engine import repeated_blocks
 from tests.engine_helpers import (
@@ -46,6 +47,23 @@ def test_two_outputs_computed_alike_stay_two_tensors():
     returned = [a for a in gm.graph.output_node().args[0]]
     bases = [n if n.target is aten.silu.default else n.args[0] for n in returned[:2]]
     assert bases[0] is not bases[1]
+
+
+def test_two_matmuls_returned_stay_two_storages():
+    # x @ w on a 3-D x is view -> mm -> _unsafe_view: _unsafe_view shares its input's storage
+    # though its schema says nothing of it; eager's second output is untouched by a change to the first
+    def f(x, w):
+        return x @ w, x @ w
+
+    x, w = torch.randn(2, 3, 4), torch.randn(4, 5)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            a, c = torch.compile(f, backend=make_backend("Twice"), fullgraph=True)(x, w)
+    finally:
+        torch._dynamo.reset()
+    a.add_(1)
+    assert torch.equal(c, x @ w) and a.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
 
 
 def test_a_region_reads_an_empty_cat_piece_it_never_loads():

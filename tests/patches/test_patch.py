@@ -168,6 +168,16 @@ def test_dynamic_leaves_no_marks_on_the_callers_tensors():
     assert kw["hidden_states"]._dynamo_weak_dynamic_indices == {0}
 
 
+def test_dynamic_puts_back_the_marks_of_a_tensor_passed_twice():
+    """A tensor passed to a block twice (positional and keyword) is marked once and left as it came."""
+    from exactdit.patches.engine import _MARKS, _sizes_symbolic
+
+    t = torch.randn(2, 3)
+    with _sizes_symbolic(((t,), {"encoder_hidden_states": t})):
+        assert t._dynamo_weak_dynamic_indices == {0, 1}
+    assert not any(k in t.__dict__ for k in _MARKS), {k: t.__dict__.get(k) for k in _MARKS}
+
+
 def test_dynamic_true_captures_every_layout_of_the_first_forward_symbolic():
     """``dynamic=True`` marks each block's first call, not only its class's: HunyuanVideo's first
     single block takes the double blocks' output and the next one a slice of the first's, two layouts

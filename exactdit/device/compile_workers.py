@@ -214,7 +214,9 @@ def start() -> None:
     Triton puts in every kernel's cache key: Triton hashes its own files once per process, the
     415 MB ``libtriton.so`` of Triton 3.6 included (0.4 s of a fresh process's first call, where the
     first kernel looked its binary up). File reads and sha256 release the GIL, so the hashing runs
-    beside the first capture instead of after it."""
+    beside the first capture instead of after it. Where CUDA is up, the thread then starts Triton's
+    CUDA driver, whose C helpers a cold cache builds with the host's compiler (a subprocess): the
+    first region's specialisation (:func:`submit`) would otherwise wait for it."""
     if worker_count():
         _pool()
     with _lock:
@@ -232,6 +234,12 @@ def _triton_key() -> None:
         from triton.runtime.cache import triton_key  # (cached by Triton: later calls return it)
 
         triton_key()
+        import torch
+
+        if torch.cuda.is_initialized():  # (never the one to start CUDA: a process may fork later)
+            from triton.runtime import driver
+
+            driver.active.get_current_target()
     except Exception:  # noqa: BLE001 - another Triton: its first kernel computes what it needs
         pass
 

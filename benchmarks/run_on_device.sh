@@ -34,7 +34,8 @@
 #   new-shapes       profile_first_call.py, HunyuanVideo at 544x960x17, 480x848x33, 368x640x25, 544x960x17 again,
 #                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
 #   new-sizes-tests  pytest -m gpu tests/minis/test_gpu_minis.py -k new_sizes: 33 minis at three batch sizes in a row under
-#                    dynamic=None (static, symbolic, made concrete), equal to eager; MINIS_K="flux2 or sd3" narrows, ~8 minutes
+#                    dynamic=None (static, symbolic, made concrete) or NEW_SIZES_DYNAMIC=True (symbolic from the first),
+#                    equal to eager; MINIS_K="flux2 or sd3" narrows, ~8 minutes per mode
 #   specialize-cpu   tests/engine/test_specialize.py (slow cases too) on the image's torch, on the CPU in Triton's
 #                    interpreter: at_sizes and the indexing matched through node.meta["from_node"] on another torch
 #   host             host time per call: a region through the gate, its launch plan, Triton's JIT launch, eager, a replay
@@ -158,7 +159,7 @@ for stage in "$@"; do
           tee -a "$OUT/new_shapes_hunyuan.log" | grep -E "call:|^first calls|^built"
       done ;;
     new-sizes-tests)
-      timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -k "new_sizes${MINIS_K:+ and ($MINIS_K)}" -rf \
+      timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu tests/minis/test_gpu_minis.py -k "new_sizes and ${NEW_SIZES_DYNAMIC:-None}${MINIS_K:+ and ($MINIS_K)}" -rf \
         2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tee "$OUT/gpu_minis_new_sizes.log" | tail -40 ;;
     specialize-cpu)
       TRITON_INTERPRET=1 timeout 400 python3 -m pytest -q -p no:cacheprovider -m "not gpu" -rf \

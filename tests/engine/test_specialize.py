@@ -215,13 +215,18 @@ def test_two_threads_at_one_new_signature_lower_it_once(monkeypatch):
     import threading
     import time
 
-    lowerings = []
+    lowerings, running = [], threading.Lock()
     real = specialize.PerSignature._lowered
 
     def slow(self, args, values):
         lowerings.append(args[-1].shape[1])
         time.sleep(0.3)  # long enough for the other thread to arrive
-        return real(self, args, values)
+        run = real(self, args, values)
+
+        def one_at_a_time(*call_args):  # Triton's interpreter is not thread-safe (a GPU launch is)
+            with running:
+                return run(*call_args)
+        return one_at_a_time
 
     monkeypatch.setattr(specialize, "KEPT_SIGNATURES", 1)
     monkeypatch.setattr(specialize.PerSignature, "_lowered", slow)
@@ -243,6 +248,8 @@ def test_two_threads_at_one_new_signature_lower_it_once(monkeypatch):
         torch._dynamo.reset()
     assert equal == [True] * 4, equal
     assert lowerings == [5, 7], lowerings
+    disabled = {k: v["disabled"] for k, v in exactdit.report(show=False).items() if v.get("disabled")}
+    assert not disabled and not engine_eager_reasons(), disabled  # both threads' calls ran fused
 
 
 class _Normed(torch.nn.Module):

@@ -58,6 +58,8 @@
 #                    epilogue (4 stages), each forced
 #   gemm-flux        Flux.1-dev 1024^2 with EXACTDIT_GEMM=auto (each signature's ways timed; the choices printed) and with
 #                    every GEMM left to cuBLAS, kernel-time breakdown, clock, power, energy per forward
+#   redesign-ab      the tree before the redesign (ac515ac, unpacked in .ab/before and carried) against this one in one call,
+#                    alternated twice: Flux.1-dev and ERNIE-Image 1024^2, eager and exactdit each (issue 31's same-run check)
 # Context parallelism (device kind nvidia-h200-x2):
 #   cp               Flux.1-dev 1024^2, Wan2.1-14B 480x832x33, ERNIE-Image 1024^2: Ulysses 2 and ring 2 vs eager
 #                    under the same config, and 1 GPU, in one torchrun job each (bench_context_parallel.py)
@@ -196,6 +198,23 @@ for stage in "$@"; do
         grep -E "^\||breakdown|DISABLED|EAGER|built|kernels by" | tee -a "$OUT/hunyuan_video_bench.log"
       timeout 240 python3 benchmarks/kernels/tune_region_templates.py --template rows_adjacent --mini hunyuan-video \
         --graph HunyuanVideoTransformerBlock 2>&1 | grep -v Warn | tee "$OUT/tune_rows_adjacent.log" | tail -40 ;;
+    redesign-ab)
+      # the tree before the redesign (.ab/before: `bash benchmarks/run_on_device.sh` does not make it; make it here with
+      # mkdir -p .ab/before && git archive ac515ac | tar -x -C .ab/before, and carry .ab) against this one, on the same
+      # machine in one call, alternated twice: Flux.1-dev 1024^2 and ERNIE-Image 1024^2 (AB_MODELS picks), eager in each
+      for round in 1 2; do
+        for m in ${AB_MODELS:-flux ernie}; do
+          (cd .ab/before && OUT="$OUT/before" EXACTDIT_CACHE=/tmp/exactdit-cache-before PYTHONPATH=/tmp/site:$PWD timeout 150 python3 benchmarks/bench_engine.py \
+            --model $m --config full --height 1024 --width 1024 --repeat 10 2>&1 | grep -E "^\||DISABLED|EAGER" | \
+            sed "s/^/before ac515ac, round $round: /" | tee -a "$OUT/redesign_ab.log")
+          timeout 150 python3 benchmarks/models/bench_engine.py --model $m --config full --height 1024 --width 1024 \
+            --repeat 10 2>&1 | grep -E "^\||DISABLED|EAGER" | sed "s/^/now, round $round: /" | tee -a "$OUT/redesign_ab.log"
+        done
+      done
+      # the old tree's rows name whatever commit the device's stale .git says: name theirs
+      [ -f "$OUT/before/results.jsonl" ] && python3 -c "import json,sys
+for l in open(sys.argv[1]): print(json.dumps(json.loads(l) | {'commit': 'ac515ac (before the redesign)'}))" \
+        "$OUT/before/results.jsonl" >> "$OUT/results.jsonl" && rm -r "$OUT/before" ;;
     cp)
       for args in "--model flux --height 1024 --width 1024" "--model wan --height 480 --width 832 --frames 33" \
                   "--model ernie --height 1024 --width 1024"; do

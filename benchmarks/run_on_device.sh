@@ -31,6 +31,8 @@
 #   first-calls      profile_first_call.py with regional compile's first calls in the same process: HunyuanVideo
 #                    544x960x17 then 480x848x33, Flux.1-dev 1024^2 then 768x1360 (cold caches); each first call, the
 #                    seconds until its last kernel compiled (calls do not wait), the second call
+#   first-call-cprofile  Flux.1-dev 1024^2 first call under cProfile, cold caches then warm (twice): where the
+#                    GPU host's first call goes, the first block class's "partition" second included
 #   new-shapes       profile_first_call.py, HunyuanVideo at 544x960x17, 480x848x33, 368x640x25, 544x960x17 again,
 #                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
 #   new-sizes-tests  pytest -m gpu tests/minis/test_gpu_minis.py -k new_sizes: 33 minis at three batch sizes in a row under
@@ -154,6 +156,13 @@ for stage in "$@"; do
         --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_hunyuan.log" | grep -E "call:|^first calls"
       timeout 200 python3 benchmarks/models/profile_first_call.py --model flux --config full --resolutions 1024x1024 768x1360 \
         --compile 2>&1 | grep -v Warn | tee "$OUT/first_calls_flux.log" | grep -E "call:|^first calls" ;;
+    first-call-cprofile)
+      # warm twice: the first warm run fills the environment's caches, the second finds them
+      for caches in cold warm warm; do
+        timeout 150 python3 benchmarks/models/profile_first_call.py --model flux --config full --resolutions 1024x1024 \
+          --no-eager-warmup --cprofile --caches $caches 2>&1 | grep -v Warn | tee -a "$OUT/first_call_cprofile.log" | \
+          grep -E "call:|^first calls|^  [A-Z]"
+      done ;;
     new-shapes)
       for mode in ${DYNAMIC_MODES:-first auto static}; do
         timeout 190 python3 benchmarks/models/profile_first_call.py --mini hunyuan-video --dynamic $mode \

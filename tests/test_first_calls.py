@@ -94,8 +94,12 @@ def test_a_models_first_call_fills_the_account_a_repeated_call_leaves_it_and_res
 def test_the_first_call_profile_runs_on_the_cpu(tmp_path):
     """benchmarks/models/profile_first_call.py (the device's first-calls stage) on the tiny Flux in
     the interpreter: a row per resolution with the phases of the account, so a device session is
-    not spent on the script's own errors; each call's output held to eager's at its resolution."""
+    not spent on the script's own errors; each call's output held to eager's at its resolution, and
+    each first call's Python profile written (``--cprofile``) with the engine's frames in it."""
     rows = run_benchmark("models/profile_first_call.py", "--model", "flux", "--config", "tiny", "--device", "cpu",
-                         "--resolutions", "32x32", "48x32", out_dir=tmp_path)
+                         "--resolutions", "32x32", "48x32", "--cprofile", out_dir=tmp_path)
     assert [r["shape"] for r in rows] == ["32x32 B=1", "48x32 B=1"]
     assert all(r["first_call_s"] > 0 and r["phases_s"]["capture"] > 0 and r["equal"] is True for r in rows), rows
+    profile = (tmp_path / "first_call_cprofile_flux_static_cold.txt").read_text()
+    assert [line.split(" first call")[0] for line in profile.splitlines() if line.startswith("## ")] == ["## 32x32", "## 48x32"]
+    assert "exactdit/patches/engine.py" in profile and "Ordered by: internal time" in profile

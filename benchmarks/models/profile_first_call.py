@@ -26,7 +26,11 @@ whose bits follow CUDA's kernels run eager unverified, so only the shape of the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -50,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--dynamic", choices=["auto", "first", "static"], default="static",
                     help="exactdit.patch's dynamic: auto (None: symbolic from a block's second shape), first (True), "
                          "static (False)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="run each first call under cProfile (its times grow) and write the functions by cumulative "
+                         "and own time to $OUT/first_call_cprofile_<model>_<dynamic>_<caches>.txt")
     return ap.parse_args(argv)
 
 
@@ -164,9 +171,11 @@ def timed_call(tr, kw, outputs: list | None = None) -> float:
     return first_call_s(tr, kw, outputs)  # (synced before and after)
 
 
-def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles, eager: list | None = None) -> list[dict]:
+def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles, eager: list | None = None,
+                  cprofile: str | None = None) -> list[dict]:
     """First and second call per resolution, with the account's part of each; each output held to
-    eager's at that resolution (``eager``: one output per call, None: not compared)."""
+    eager's at that resolution (``eager``: one output per call, None: not compared). ``cprofile``:
+    a file the first calls' Python profile is appended to."""
     from benchmarks.runner import kernels_ready_s
     from exactdit import first_calls
     from exactdit.harness.metrics import outputs_equal
@@ -176,7 +185,11 @@ def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles, eag
         for which in ("first", "second"):
             before, compiles, graphs = first_calls.snapshot(), triton.count, dynamo_graphs()
             out: list = []
-            wall = timed_call(tr, kw, out)
+            profiler = cProfile.Profile() if cprofile and which == "first" else None
+            with profiler or contextlib.nullcontext():
+                wall = timed_call(tr, kw, out)
+            if profiler is not None:
+                write_profile(profiler, cprofile, f"{resolution} first call ({wall:.2f} s under cProfile)")
             ready = kernels_ready_s()  # (its regions ran eager where their kernels were compiling)
             added = difference(first_calls.snapshot(), before)
             phases = first_calls.totals(added)
@@ -192,6 +205,15 @@ def profile_calls(tr, calls: list[tuple[str, dict]], triton: TritonCompiles, eag
             rows.append(row)
             show(row)
     return rows
+
+
+def write_profile(profiler, path: str, title: str) -> None:
+    """Append ``profiler``'s functions by cumulative and by own time to ``path``."""
+    text = io.StringIO()
+    for order, count in (("cumulative", 60), ("tottime", 30)):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{text.getvalue()}\n")
 
 
 def show(row: dict) -> None:
@@ -265,7 +287,12 @@ def main(argv=None) -> None:
     summary = exactdit.patch(tr, dynamic=DYNAMIC[args.dynamic])
     patch_s = time.perf_counter() - t
     print(f"patch {patch_s:.2f} s {summary}", flush=True)
-    rows = profile_calls(tr, calls, triton, eager)
+    cprofile = None
+    if args.cprofile:
+        out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "results")
+        os.makedirs(out_dir, exist_ok=True)
+        cprofile = os.path.join(out_dir, f"first_call_cprofile_{args.mini or args.model}_{args.dynamic}_{args.caches}.txt")
+    rows = profile_calls(tr, calls, triton, eager, cprofile)
     del eager
     report = exactdit.report(show=False)
     print("\n".join(first_calls.lines(report.first_calls)), flush=True)

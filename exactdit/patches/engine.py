@@ -43,7 +43,9 @@ ATen graph a capture at those sizes gives). ``patch``
 lets Dynamo keep ``RECOMPILE_LIMIT`` graphs per block (raising
 ``torch._dynamo.config.recompile_limit``, a process-wide setting, when it is lower); shapes beyond
 that run diffusers' code, counted, while the shapes already captured stay fused (for a block in
-parts, Dynamo runs such a part as Python, uncounted).
+parts, Dynamo runs such a part as Python, uncounted). ``patch`` also sets the process-wide
+``torch._dynamo.config.skip_nnmodule_hook_guards = False``: a torch hook added to a layer after a
+capture then captures again instead of being left out.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import sys
 import threading
 import warnings
 
@@ -207,6 +210,13 @@ class EngineCall:
         if failed is not None:
             gate.count_eager(f"engine.{state.label}", failed)
             return eager(*args, **kwargs)
+        if _global_module_hooks():
+            gate.count_eager(f"engine.{state.label}", GLOBAL_HOOKS)
+            return eager(*args, **kwargs)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and any(isinstance(v, numpy.ndarray) for v in (*args, *kwargs.values())):
+            gate.count_eager(f"engine.{state.label}", NUMPY_ARGUMENT)  # (eager raises its own error)
+            return eager(*args, **kwargs)
         if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
             gate.count_eager(f"engine.{state.label}", "autograd is recording (fused kernels have no backward)")
             return eager(*args, **kwargs)
@@ -302,6 +312,17 @@ class EngineCall:
             self.state.warned.add(message)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+NUMPY_ARGUMENT = "a numpy array among its arguments (Dynamo would convert it to a tensor)"
+#: Dynamo guards these by type only: a graph captured without them would run on without them
+GLOBAL_HOOKS = "hooks for every module are registered (register_module_forward_hook, ...)"
+
+
+def _global_module_hooks() -> bool:
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 #: a block call that ran out of memory runs eager once; the block stays captured for the next
@@ -544,6 +565,9 @@ def patch_transformer(model: torch.nn.Module, dynamic: bool | None = False) -> d
     model_name = type(model).__name__
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    # a hook added to a layer after its block's capture is a guard failure (a capture with it), not
+    # a graph that leaves it out; read when a capture builds its guards, so set before any
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     compiled = set()
     for cls, module in targets(model):
         current = getattr(module, "_compiled_call_impl", None)

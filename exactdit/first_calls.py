@@ -9,8 +9,11 @@ that. The phases, each timed with ``time.perf_counter`` where the engine does th
 * ``specialize``: a graph captured with symbolic sizes traced at a signature's concrete sizes
   (:mod:`exactdit.engine.specialize`);
 * ``partition``: :func:`exactdit.engine.backend.rewrite` (preparing the graph, choosing regions,
-  building the rewritten graph) less kernel source generation;
+  building the rewritten graph) less kernel source generation and the kernels sent ahead;
 * ``codegen``: kernel sources generated from a region's templates, and written and imported;
+* ``ahead``: a new graph's kernels sent to Triton's compile workers (GPU only): Triton specialises
+  each launch in this process first (binder, cache key; the first kernel of a process also waits
+  for Triton's key and CUDA driver, :func:`exactdit.device.compile_workers.start`);
 * ``workers``: waiting for the kernels Triton's compile workers compile ahead (counted: those they
   compiled; :mod:`exactdit.device.compile_workers`);
 * ``compile``: Triton compiling a kernel (its first launch for one specialisation; for a kernel a
@@ -38,9 +41,9 @@ import time
 
 from exactdit.state import STATE
 
-PHASES = ("capture", "specialize", "partition", "codegen", "workers", "compile", "layout", "plans", "verify", "other")
+PHASES = ("capture", "specialize", "partition", "codegen", "ahead", "workers", "compile", "layout", "plans", "verify", "other")
 #: what each phase counts (shown beside its seconds)
-UNITS = {"capture": "graphs", "specialize": "graphs", "partition": "graphs", "codegen": "kernels", "workers": "kernels",
+UNITS = {"capture": "graphs", "specialize": "graphs", "partition": "graphs", "codegen": "kernels", "ahead": "kernels", "workers": "kernels",
          "compile": "kernels", "layout": "layouts", "plans": "layouts", "verify": "signatures", "other": "graphs"}
 
 _account: dict[str, dict[str, list]] = STATE.first_calls

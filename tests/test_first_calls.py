@@ -63,6 +63,26 @@ def test_dynamo_capture_through_the_backend_is_timed_once_per_graph():
     assert phases["partition"][1] == 1
 
 
+def test_kernels_sent_to_the_compile_workers_are_timed_apart_from_the_partition(monkeypatch):
+    """On the GPU each region's kernels are specialised for the compile workers while the graph is
+    rewritten; the first of a process waits for Triton's key and driver: not the partition's time."""
+    from exactdit.engine import runtime
+
+    def sent(self):
+        time.sleep(0.1)
+        return 2
+
+    monkeypatch.setattr(runtime.RegionOp, "compile_ahead", sent)
+    compiled = torch.compile(lambda x: torch.nn.functional.gelu(x * 3.0) * 2.0, backend=make_backend("Toy.Block"),
+                             fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled(torch.randn(4, 8, dtype=torch.bfloat16))  # (fused: GELU's tables are bf16 / fp16)
+    phases = first_calls.snapshot()["Toy.Block"]
+    regions = phases["ahead"][1] // 2
+    assert regions >= 1 and phases["ahead"][0] >= 0.1 * regions, phases
+    assert phases["partition"][0] < 0.1, phases
+
+
 def test_a_models_first_call_fills_the_account_a_repeated_call_leaves_it_and_reset_clears_it():
     tr = models.build_transformer("flux", "tiny", dtype=torch.bfloat16, seed=6)
     kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)

@@ -130,6 +130,7 @@ def _specialization(fn, grid, args, kwargs, device) -> tuple:
 
     if knobs.runtime.jit_cache_hook is not None:
         return None, None
+    _await_key()
     found = []
 
     def hook(*, fn: object, compile: dict, **_) -> bool:
@@ -227,6 +228,16 @@ def start() -> None:
 
 
 _KEYED: list = []  # the thread computing Triton's key, once per process
+
+
+def _await_key(timeout_s: float = 120.0) -> None:
+    """Wait for the key thread (:func:`start`). Triton computes its key (``functools.lru_cache``)
+    and its driver (``driver.active``) lazily and without a lock: a caller that does not wait
+    computes them a second time beside the thread, the 415 MB hash included."""
+    with _lock:
+        thread = _KEYED[0] if _KEYED else None
+    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        thread.join(timeout_s)
 
 
 def _triton_key() -> None:

@@ -253,7 +253,8 @@ def _rewritten(old: fx.Graph, regions) -> fx.Graph:
         done += 1
         if u in regions:
             op = RegionOp(u)
-            op.compile_ahead()  # in worker processes, while the graph is built and its first regions run
+            with first_calls.phase("ahead", u.name) as sent:  # (compiled by workers while the first regions run)
+                sent.count = op.compile_ahead()
             call = graph.call_function(region_call_target(op), tuple(env[n] for n in u.inputs))
             call.meta["exactdit_region"] = u.name
             for k, out in enumerate(u.outputs):

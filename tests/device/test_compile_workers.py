@@ -226,3 +226,18 @@ def test_start_computes_tritons_key_in_a_thread(monkeypatch):
     assert triton_key.cache_info().currsize == 1
     compile_workers.start()  # once per process
     assert len(compile_workers._KEYED) == 1
+
+
+def test_a_specialisation_waits_for_the_key_thread_rather_than_computing_tritons_key_beside_it(monkeypatch):
+    import threading
+    import time
+
+    done = []
+    thread = threading.Thread(target=lambda: (time.sleep(0.3), done.append(True)), daemon=True)
+    monkeypatch.setattr(compile_workers, "_KEYED", [thread])
+    thread.start()
+    compile_workers._await_key()
+    assert done == [True]
+    compile_workers._await_key()  # a finished thread (or none, or the thread itself) is not waited for
+    monkeypatch.setattr(compile_workers, "_KEYED", [])
+    compile_workers._await_key()

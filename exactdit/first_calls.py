@@ -41,10 +41,12 @@ import time
 
 from exactdit.state import STATE
 
-PHASES = ("capture", "specialize", "partition", "codegen", "ahead", "workers", "compile", "layout", "plans", "verify", "other")
+PHASES = ("capture", "specialize", "partition", "codegen", "ahead", "workers", "compile", "layout", "plans", "verify",
+          "other")
 #: what each phase counts (shown beside its seconds)
-UNITS = {"capture": "graphs", "specialize": "graphs", "partition": "graphs", "codegen": "kernels", "ahead": "kernels", "workers": "kernels",
-         "compile": "kernels", "layout": "layouts", "plans": "layouts", "verify": "signatures", "other": "graphs"}
+UNITS = {"capture": "graphs", "specialize": "graphs", "partition": "graphs", "codegen": "kernels", "ahead": "kernels",
+         "workers": "kernels", "compile": "kernels", "layout": "layouts", "plans": "layouts", "verify": "signatures",
+         "other": "graphs"}
 
 _account: dict[str, dict[str, list]] = STATE.first_calls
 _lock = threading.Lock()

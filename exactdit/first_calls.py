@@ -113,7 +113,8 @@ def stop(frame: _Frame) -> None:
 @contextlib.contextmanager
 def phase(name: str, where: str, count: int = 1):
     """Time the block as ``name`` of ``where`` (a region, graph or block label), less the phases
-    timed inside it. Yields the frame: ``frame.count`` may be set to what was done."""
+    timed inside it. Yields the frame: ``frame.count`` may be set to what was done, ``frame.where``
+    to None where nothing was (not recorded)."""
     frame = _open(name, where, count)
     try:
         yield frame

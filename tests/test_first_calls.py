@@ -81,6 +81,12 @@ def test_kernels_sent_to_the_compile_workers_are_timed_apart_from_the_partition(
     regions = phases["ahead"][1] // 2
     assert regions >= 1 and phases["ahead"][0] >= 0.1 * regions, phases
     assert phases["partition"][0] < 0.1, phases
+    monkeypatch.setattr(runtime.RegionOp, "compile_ahead", lambda self: 0)  # off CUDA: nothing sent, nothing shown
+    state.reset()
+    with torch.no_grad():
+        torch.compile(lambda x: torch.nn.functional.gelu(x * 5.0), backend=make_backend("Toy.Other"), fullgraph=True,
+                      dynamic=False)(torch.randn(4, 8, dtype=torch.bfloat16))
+    assert "partition" in first_calls.snapshot()["Toy.Other"] and "ahead" not in first_calls.snapshot()["Toy.Other"]
 
 
 def test_a_models_first_call_fills_the_account_a_repeated_call_leaves_it_and_reset_clears_it():

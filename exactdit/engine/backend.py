@@ -255,6 +255,8 @@ def _rewritten(old: fx.Graph, regions) -> fx.Graph:
             op = RegionOp(u)
             with first_calls.phase("ahead", u.name) as sent:  # (compiled by workers while the first regions run)
                 sent.count = op.compile_ahead()
+                if not sent.count:
+                    sent.where = None  # nothing sent (off CUDA, no workers): no phase to show
             call = graph.call_function(region_call_target(op), tuple(env[n] for n in u.inputs))
             call.meta["exactdit_region"] = u.name
             for k, out in enumerate(u.outputs):

@@ -350,7 +350,7 @@ def dispatch(op: FusedOp, *args: Any) -> Any:
         failure = None
     finally:
         _local.verifying = False
-    problem = failure or first_difference(out, ref)
+    problem = failure or first_difference(out, ref) or sharing_difference(args, out, ref)
     first_calls.stop(timed)
     if problem is None:
         with _lock:
@@ -411,6 +411,8 @@ def first_difference(out: Any, ref: Any) -> str | None:
         return f"got {tuple(out.shape)} {out.dtype}, eager gives {tuple(ref.shape)} {ref.dtype}"
     if out.stride() != ref.stride():
         return f"strides {out.stride()} differ from eager's {ref.stride()}"
+    if out.storage_offset() != ref.storage_offset():
+        return f"storage offset {out.storage_offset()} differs from eager's {ref.storage_offset()}"
     differs = _bits(out) != _bits(ref)
     if not bool(differs.any()):
         return None
@@ -420,6 +422,31 @@ def first_difference(out: Any, ref: Any) -> str | None:
         f"{count} of {out.numel()} elements differ, first at index {index}: "
         f"fused {_show_element(out[index])} vs eager {_show_element(ref[index])}"
     )
+
+
+def sharing(args: Any, outs: Any) -> tuple:
+    """For each output tensor, the first input (``("input", i)``) or earlier output (``("output", i)``)
+    whose storage it shares, or None: what a caller sees when it writes into one of them."""
+    seen: dict[int, tuple] = {}
+    for i, a in enumerate(torch.utils._pytree.tree_leaves(args)):
+        if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes():
+            seen.setdefault(a.untyped_storage().data_ptr(), ("input", i))
+    shared = []
+    for i, o in enumerate(torch.utils._pytree.tree_leaves(outs)):
+        key = o.untyped_storage().data_ptr() if isinstance(o, torch.Tensor) and o.untyped_storage().nbytes() else None
+        shared.append(seen.get(key) if key is not None else None)
+        if key is not None:
+            seen.setdefault(key, ("output", i))
+    return tuple(shared)
+
+
+def sharing_difference(args: Any, out: Any, ref: Any) -> str | None:
+    """None where ``out`` shares storages with ``args`` and with itself as ``ref`` does; otherwise
+    the first difference (a fused output is a storage of its own: eager's may be a view)."""
+    for i, (o, r) in enumerate(zip(sharing(args, out), sharing(args, ref))):
+        if o != r:
+            return f"output {i} shares the storage of {r or 'nothing else'} in eager, of {o or 'nothing else'} fused"
+    return None
 
 
 def _show_element(t: torch.Tensor) -> str:

@@ -420,21 +420,10 @@ def _identity_emit(em, node, index):
 _register([aten.clone.default, aten.lift_fresh_copy.default], Rule(POINTWISE, _identity_emit, lambda node: None))
 
 
-def _alias_check(node):
-    # an alias shares its input's storage: one the graph returns (itself or through views) stays a
-    # view, or the caller would get two storages where eager gave one (``y, y[:, :n]`` with n whole)
-    stack, seen = [node], {node}
-    while stack:
-        for user in stack.pop().users:
-            if user.op == "output":
-                return "an alias the graph returns (its input's storage)"
-            if user not in seen and getattr(user.target, "is_view", False) and user.args[0] in seen:
-                seen.add(user)
-                stack.append(user)
-    return None
-
-
-_register([aten.alias.default, aten.detach.default], Rule(POINTWISE, _identity_emit, _alias_check))
+#: pointwise by their values, but their result is their input's storage: inside a region they are
+#: the identity; a region never hands one back (partition: a region's outputs are storages of their own)
+SHARES_STORAGE = {aten.alias.default, aten.detach.default}
+_register(SHARES_STORAGE, Rule(POINTWISE, _identity_emit, lambda node: None))
 
 
 def _where_check(node):

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from exactdit import first_calls
-from exactdit.engine.aten_ops import CAT, VIEW, rule_for, why_not_fusable
+from exactdit.engine.aten_ops import CAT, SHARES_STORAGE, VIEW, rule_for, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates import gemm as gemm_template
@@ -286,15 +286,27 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     return launches
 
 
+def _at_an_offset(n: fx.Node) -> bool:
+    """Whether eager puts ``n``'s value at a storage offset: ``slice_scatter`` gives its base's
+    geometry, offset included (ATen's ``clone_preserve_strides``; its fake value says offset 0)."""
+    if n.target is not torch.ops.aten.slice_scatter.default:
+        return False
+    offset = n.args[0].meta["val"].storage_offset()
+    return not (type(offset) is int and offset == 0)
+
+
 def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> tuple[Region | None, set[fx.Node], str | None]:
     """(region, nodes to set aside, why the group is not a region)."""
     members = set(g.nodes)
-    # values read outside the region must be handed back: a view (ATen makes it from its base)
+    # values read outside the region must be handed back: a view (ATen makes it from its base),
+    # an alias (its input's storage: a region's output is a storage of its own, at offset 0), a
+    # value eager puts at an offset (a scatter into a view of an input keeps the view's geometry)
     # or the tuple of a reduction cannot be
     bans = {
         n for n in g.nodes
         if (any(u not in members for u in _users(n)) or n in outputs_of_graph) and n is not g.gemm
-        and (reduction_kind(n) is not None or rule_for(n).kind == VIEW)
+        and (reduction_kind(n) is not None or rule_for(n).kind == VIEW or n.target in SHARES_STORAGE
+             or _at_an_offset(n))
     }
     if bans:
         return None, bans, None

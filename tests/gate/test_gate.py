@@ -67,6 +67,29 @@ def test_mismatch_disables_the_signature_warns_and_returns_eager():
     assert len(rep["disabled"]) == 1 and "128 of 128 elements differ" in next(iter(rep["disabled"].values()))
 
 
+def test_an_output_eager_shares_with_an_input_is_a_difference_a_fresh_copy_cannot_pass():
+    # a fused output is a storage of its own: where eager's is a view of an input (or at a storage
+    # offset), equal bits and strides are not enough (fuzzer finding: an alias fused as a copy)
+    def view_of_input(x, y):
+        return x[1:], x * y
+
+    op = FusedOp(name="view", reference=view_of_input, fused=lambda x, y: (x[1:].clone(), x * y),
+                 unsupported=lambda x, y: None, signature=lambda x, y: (x.dtype,))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.warns(ExactditMismatchWarning, match=r"storage offset 0 differs from eager's 4"):
+        out = _run(op, x, y)
+    assert out[0].data_ptr() == x[1:].data_ptr()  # eager's answer
+    ref = view_of_input(x, y)
+    assert gate.sharing((x, y), ref) == (("input", 0), None)
+    fresh = (x[:2].clone(), ref[1])
+    assert gate.sharing_difference((x, y), fresh, (x[:2], ref[1])) == (
+        "output 0 shares the storage of ('input', 0) in eager, of nothing else fused")
+    twice = x * y
+    assert gate.sharing((x, y), (twice, twice.t())) == (None, ("output", 0))
+    assert gate.sharing((x, y), (torch.empty(0), torch.empty(0))) == (None, None)  # no storage, nothing shared
+    assert gate.sharing_difference((x, y), (ref[1], ref[1].clone()), (ref[1], ref[1].clone())) is None
+
+
 def test_a_kernel_that_raises_is_disabled_and_eager_answers():
     """A kernel that cannot compile or launch for a signature must not break the model."""
     calls = []

@@ -286,10 +286,15 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     return launches
 
 
+#: ops whose value eager lays out as its first argument, storage offset included (ATen's
+#: ``clone_preserve_strides``; their fake values say offset 0)
+_BASE_GEOMETRY = {torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
+
+
 def _at_an_offset(n: fx.Node) -> bool:
-    """Whether eager puts ``n``'s value at a storage offset: ``slice_scatter`` gives its base's
-    geometry, offset included (ATen's ``clone_preserve_strides``; its fake value says offset 0)."""
-    if n.target is not torch.ops.aten.slice_scatter.default:
+    """Whether eager puts ``n``'s value at a storage offset (a scatter or copy into a view of an
+    input): a region's outputs are storages of their own, at offset 0."""
+    if n.target not in _BASE_GEOMETRY:
         return False
     offset = n.args[0].meta["val"].storage_offset()
     return not (type(offset) is int and offset == 0)

@@ -288,16 +288,35 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
 
 #: ops whose value eager lays out as its first argument, storage offset included (ATen's
 #: ``clone_preserve_strides``; their fake values say offset 0)
-_BASE_GEOMETRY = {torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
+_BASE_GEOMETRY = {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+                  torch.ops.aten.diagonal_scatter.default, torch.ops.aten.as_strided_scatter.default,
+                  torch.ops.aten.copy.default}
 
 
 def _at_an_offset(n: fx.Node) -> bool:
-    """Whether eager puts ``n``'s value at a storage offset (a scatter or copy into a view of an
-    input): a region's outputs are storages of their own, at offset 0."""
+    """Whether eager may put ``n``'s value at a storage offset (a scatter or copy into a view of an
+    input): a region's outputs are storages of their own, at offset 0. The fake values are right
+    but for the ops above, so the base is followed through them and views down to a value whose
+    offset is known: any offset on the way means eager's may not be 0."""
     if n.target not in _BASE_GEOMETRY:
         return False
-    offset = n.args[0].meta["val"].storage_offset()
-    return not (type(offset) is int and offset == 0)
+    todo, seen = [n.args[0]], set()
+    while todo:
+        m = todo.pop()
+        if not isinstance(m, fx.Node) or m in seen:
+            continue
+        seen.add(m)
+        val = m.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            offset = val.storage_offset()
+            if not (type(offset) is int and offset == 0):
+                return True
+        elif not isinstance(val, (list, tuple)):
+            return True  # nothing known: assume an offset
+        if m.op == "call_function" and (m.target in _BASE_GEOMETRY or m.target is operator.getitem
+                                        or getattr(m.target, "is_view", False)):
+            todo.append(m.args[0])
+    return False
 
 
 def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> tuple[Region | None, set[fx.Node], str | None]:

@@ -125,10 +125,21 @@ def _offset_rows():
     return torch.arange(190.0).as_strided((3, 1, 7), (62, 30, 2), 1)
 
 
+def _columns_shifted_in_place(x):
+    x[..., 0] = 0.5  # select_scatter (ATen), then a slice_scatter into its value: both at x's offset
+    x[..., 1:] = x[..., :-1] * 2
+    return (x,)
+
+
+def _offset_columns():
+    return torch.arange(100.0).reshape(2, 5, 10).half()[..., 3:]
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("f, make", [(_piece_of_an_alias, lambda: torch.arange(12.0).reshape(3, 4).bfloat16() / 7),
                                      (_view_of_an_input_written_through, _offset_input),
-                                     (_rows_written_from_their_own_values, _offset_rows)])
+                                     (_rows_written_from_their_own_values, _offset_rows),
+                                     (_columns_shifted_in_place, _offset_columns)])
 def test_aliases_scatters_and_copies_into_views_keep_eagers_storages_and_offsets(f, make, dynamic):
     # an alias (or detach) fused as the identity and handed back by its region came back as a storage
     # of its own: a piece of it (unbind, chunk) returned no longer followed writes into the first

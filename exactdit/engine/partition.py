@@ -286,6 +286,29 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     return launches
 
 
+def _same_storage(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target in SHARES_STORAGE or n.target is operator.getitem
+                                        or getattr(n.target, "is_view", False))
+
+
+def _storage_seen_outside(alias: fx.Node, members: set, outputs_of_graph: set) -> bool:
+    """Whether the storage ``alias`` (an alias or detach) shares is seen outside its region but
+    through ``alias``: it belongs to a region input, or another value of it (its base, a view) is
+    read outside. Only then does handing ``alias`` back as a storage of its own differ from eager."""
+    base = alias
+    while base in members and _same_storage(base):
+        base = base.args[0]
+    if base not in members:
+        return True
+    family, todo = {base}, [base]
+    while todo:
+        for u in todo.pop().users:
+            if u in members and u not in family and _same_storage(u):
+                family.add(u)
+                todo.append(u)
+    return any(m is not alias and (m in outputs_of_graph or any(u not in members for u in m.users)) for m in family)
+
+
 #: ops whose value eager lays out as its first argument, storage offset included (ATen's
 #: ``clone_preserve_strides``; their fake values say offset 0)
 _BASE_GEOMETRY = {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
@@ -298,7 +321,7 @@ def _at_an_offset(n: fx.Node) -> bool:
     input): a region's outputs are storages of their own, at offset 0. The fake values are right
     but for the ops above, so the base is followed through them and views down to a value whose
     offset is known: any offset on the way means eager's may not be 0."""
-    if n.target not in _BASE_GEOMETRY:
+    if n.target not in _BASE_GEOMETRY and n.target not in SHARES_STORAGE:  # (an alias is where its input is)
         return False
     todo, seen = [n.args[0]], set()
     while todo:
@@ -329,8 +352,8 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
     bans = {
         n for n in g.nodes
         if (any(u not in members for u in _users(n)) or n in outputs_of_graph) and n is not g.gemm
-        and (reduction_kind(n) is not None or rule_for(n).kind == VIEW or n.target in SHARES_STORAGE
-             or _at_an_offset(n))
+        and (reduction_kind(n) is not None or rule_for(n).kind == VIEW or _at_an_offset(n)
+             or (n.target in SHARES_STORAGE and _storage_seen_outside(n, members, outputs_of_graph)))
     }
     if bans:
         return None, bans, None

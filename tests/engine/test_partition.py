@@ -166,6 +166,16 @@ def test_aliases_scatters_and_copies_into_views_keep_eagers_storages_and_offsets
     assert all(torch.equal(o, r) for o, r in zip(out, ref)) and torch.equal(x_fused, x_eager)
 
 
+def test_an_alias_of_a_value_only_its_region_sees_is_handed_back_fused():
+    # Qwen-Image 2.1's block returns alias(cat(...)) (a whole index): no other value of that storage
+    # is read outside the region, so a storage of its own is what eager's caller can observe too
+    def build(b, x):
+        return (b.op(aten.alias.default, b.op(aten.cat.default, [b.op(aten.mul.Tensor, x, 2.0), x], -1)),)
+
+    report = rewritten_run(build, [torch.randn(4, 8, dtype=torch.bfloat16)])
+    assert [d for d, _ in report.regions.values()] == ["pointwise[alias, cat, mul]"]
+
+
 def test_a_region_reads_an_empty_cat_piece_it_never_loads():
     # x_in[..., rot_dim:] is empty when RoPE covers the whole head (ERNIE-Image); under context
     # parallelism it slices a graph input, which the region's ATen reference must still receive

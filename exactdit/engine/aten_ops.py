@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Callable
 
 import torch
@@ -421,9 +422,21 @@ _register([aten.clone.default, aten.lift_fresh_copy.default], Rule(POINTWISE, _i
 
 
 #: pointwise by their values, but their result is their input's storage: inside a region they are
-#: the identity; a region never hands one back (partition: a region's outputs are storages of their own)
+#: the identity; a region hands one back only where nothing else of that storage is seen outside it
+#: (partition: a region's outputs are storages of their own)
 SHARES_STORAGE = {aten.alias.default, aten.detach.default}
 _register(SHARES_STORAGE, Rule(POINTWISE, _identity_emit, lambda node: None))
+
+#: ops whose result is their first input's storage though their schemas say nothing of it
+#: (``_unsafe_view``: AOTAutograd's reshape of a matmul's result; ``getitem``: an item of a list view)
+_SAME_STORAGE_UNANNOTATED = (operator.getitem, aten._unsafe_view.default)
+
+
+def shares_input_storage(node: fx.Node) -> bool:
+    """Whether ``node``'s value is its first input's storage: a view, an alias, an item of a list
+    view, ``_unsafe_view``."""
+    return node.op == "call_function" and (node.target in _SAME_STORAGE_UNANNOTATED
+                                           or getattr(node.target, "is_view", False))
 
 
 def _where_check(node):

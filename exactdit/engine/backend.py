@@ -26,6 +26,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from exactdit import first_calls
 from exactdit.engine import coverage, specialize
+from exactdit.engine.aten_ops import shares_input_storage
 from exactdit.engine.partition import find_regions
 from exactdit.engine.runtime import RegionOp, region_call_target
 
@@ -88,11 +89,6 @@ def dedupe(graph: fx.Graph) -> int:
     return removed
 
 
-#: ops whose result is their first input's storage though their schemas say nothing of it
-#: (``_unsafe_view``: AOTAutograd's reshape of a matmul's result)
-_SAME_STORAGE = (operator.getitem, aten._unsafe_view.default)
-
-
 def _returned_storages(graph: fx.Graph) -> set[fx.Node]:
     """The nodes whose storage the graph hands back: each output and, through views, its base.
     Two of them merged would give the caller one storage where eager gave two."""
@@ -103,7 +99,7 @@ def _returned_storages(graph: fx.Graph) -> set[fx.Node]:
         if node in out:
             continue
         out.add(node)
-        if node.op == "call_function" and (node.target in _SAME_STORAGE or getattr(node.target, "is_view", False)):
+        if shares_input_storage(node):
             stack.extend(node.all_input_nodes[:1])
     return out
 

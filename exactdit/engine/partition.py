@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from exactdit import first_calls
-from exactdit.engine.aten_ops import CAT, SHARES_STORAGE, VIEW, rule_for, why_not_fusable
+from exactdit.engine.aten_ops import CAT, SHARES_STORAGE, VIEW, rule_for, shares_input_storage, why_not_fusable
 from exactdit.engine.emit import Unfusable, shape_of
 from exactdit.engine.region import Launch, Region
 from exactdit.engine.templates import gemm as gemm_template
@@ -286,24 +286,19 @@ def _launches(region_kind: str, members: set[fx.Node], domain, split_cat: fx.Nod
     return launches
 
 
-def _same_storage(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target in SHARES_STORAGE or n.target is operator.getitem
-                                        or getattr(n.target, "is_view", False))
-
-
 def _storage_seen_outside(alias: fx.Node, members: set, outputs_of_graph: set) -> bool:
     """Whether the storage ``alias`` (an alias or detach) shares is seen outside its region but
     through ``alias``: it belongs to a region input, or another value of it (its base, a view) is
     read outside. Only then does handing ``alias`` back as a storage of its own differ from eager."""
     base = alias
-    while base in members and _same_storage(base):
+    while base in members and shares_input_storage(base):
         base = base.args[0]
     if base not in members:
         return True
     family, todo = {base}, [base]
     while todo:
         for u in todo.pop().users:
-            if u in members and u not in family and _same_storage(u):
+            if u in members and u not in family and shares_input_storage(u):
                 family.add(u)
                 todo.append(u)
     return any(m is not alias and (m in outputs_of_graph or any(u not in members for u in m.users)) for m in family)
@@ -336,8 +331,7 @@ def _at_an_offset(n: fx.Node) -> bool:
                 return True
         elif not isinstance(val, (list, tuple)):
             return True  # nothing known: assume an offset
-        if m.op == "call_function" and (m.target in _BASE_GEOMETRY or m.target is operator.getitem
-                                        or getattr(m.target, "is_view", False)):
+        if m.target in _BASE_GEOMETRY or shares_input_storage(m):
             todo.append(m.args[0])
     return False
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import os
 import sys
 import tempfile
 import traceback
@@ -102,14 +101,13 @@ def _gguf(qtype):
             gguf.quants.quantize(np.zeros((1, 256), np.float32), kind)
         except NotImplementedError:
             raise Skip(f"the gguf package has no {qtype} quantizer (gguf-py dequantizes K-quants only)") from None
-        folder = tempfile.mkdtemp(prefix="exactdit-gguf-", dir=args.tmp)
-        path = write_gguf(tr, folder, kind, arch=args.model)
-        cls = type(tr)
-        del tr
-        gc.collect()
-        torch.cuda.empty_cache()
-        out = load_gguf(cls, path, folder)
-        os.remove(path)
+        with tempfile.TemporaryDirectory(prefix="exactdit-gguf-", dir=args.tmp) as folder:
+            path = write_gguf(tr, folder, kind, arch=args.model)
+            cls = type(tr)
+            del tr
+            gc.collect()
+            torch.cuda.empty_cache()
+            out = load_gguf(cls, path, folder)
         return out.to(args.device)
     return apply
 

@@ -209,8 +209,8 @@ def _gguf_transformer(name: str, tr):
     loaded back through diffusers' GGUF path."""
     import gguf
 
-    folder = tempfile.mkdtemp(prefix="exactdit-gguf-")
-    return load_gguf(type(tr), write_gguf(tr, folder, gguf.GGMLQuantizationType.Q8_0, arch=name), folder)
+    with tempfile.TemporaryDirectory(prefix="exactdit-gguf-") as folder:  # (the loaded weights are copies)
+        return load_gguf(type(tr), write_gguf(tr, folder, gguf.GGMLQuantizationType.Q8_0, arch=name), folder)
 
 
 @needs_gguf

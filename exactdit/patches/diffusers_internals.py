@@ -85,6 +85,14 @@ def prefetches_in_flight(hooks: list) -> list:
             if h.next_group is not None and id(h.next_group) in groups and h.next_group.stream is not None]
 
 
+def chain_exits(hooks: list) -> list:
+    """The groups the prefetch chain goes on to from these group-offloading hooks' groups (the
+    next group of each, where it is not one of theirs) that a side stream copies."""
+    groups = {id(h.group) for h in hooks}
+    return [h.next_group for h in hooks
+            if h.next_group is not None and id(h.next_group) not in groups and h.next_group.stream is not None]
+
+
 def holds_gguf_weight(module) -> bool:
     """Whether ``module`` is diffusers' ``GGUFLinear`` holding a GGUF-quantized weight."""
     return type(module).__name__ == "GGUFLinear" and hasattr(module._parameters.get("weight"), "quant_type")

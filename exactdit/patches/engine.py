@@ -22,7 +22,7 @@ handed those values as guarded constants (:class:`IntValues`) and captured whole
 Hooks on a block's layers that only move or cast their weights (layerwise casting's
 ``module.to``, leaf-level group offloading's onloads and prefetches) run for the whole block
 around its call, and GGUF weights (which Dynamo does not unwrap as eager does) are dequantized
-there (:class:`_hoisted_layer_hooks`), so such blocks are captured whole.
+there (:class:`exactdit.patches.layer_hooks.hoisted_layer_hooks`), so such blocks are captured whole.
 
 A block that cannot be captured as one graph (a graph break: code Dynamo does not trace, other
 hooks on its layers such as TaylorSeer) is captured in parts: Dynamo's graphs
@@ -66,6 +66,8 @@ from exactdit.engine import coverage
 from exactdit.engine import capture
 from exactdit.patches import diffusers_internals
 from exactdit.patches.int_values import values_for_ints
+from exactdit.patches import layer_hooks
+from exactdit.patches.layer_hooks import hoisted_layer_hooks
 from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
@@ -188,7 +190,7 @@ class EngineCall:
     def __call__(self, *args, **kwargs):
         if _capture_inside_hooks(self):
             return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
-        with _hoisted_layer_hooks(self.module):
+        with hoisted_layer_hooks(self.module):
             return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
@@ -407,7 +409,7 @@ class InnerCall:
         if self.dynamic is not self.owner.dynamic:  # patched again with another ``dynamic``
             self.dynamic = self.owner.dynamic
             self.compiled, self.parts = _compiled(self.forward, self.owner.state.backend, self.dynamic)
-        with _hoisted_layer_hooks(self.owner.module):  # inside the block's own hooks, as unpatched
+        with hoisted_layer_hooks(self.owner.module):  # inside the block's own hooks, as unpatched
             return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
 
 
@@ -432,94 +434,6 @@ def _capture_inside_hooks(call: EngineCall) -> bool:
         return False
     setattr(first, attr, InnerCall(call, inner))
     return True
-
-
-def _hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
-    """((layer, hook chain) of the layers below ``module`` whose diffusers hooks only move or cast
-    their weights (:func:`diffusers_internals.hoistable_hook_chain`), in the order of the module
-    tree; the GGUF layers dequantized there, :func:`diffusers_internals.dequantized_gguf_layers`).
-    One walk of the tree by its
-    ``_modules`` (``modules()`` costs ten times more; this runs on every call of every block)."""
-    hooked, gguf = [], []
-    stack = list(reversed(module._modules.values()))
-    while stack:
-        m = stack.pop()
-        stack.extend(reversed(m._modules.values()))
-        if diffusers_internals.hook_registry(m.__dict__) is not None:
-            chain = diffusers_internals.hoistable_hook_chain(m)
-            if chain:
-                hooked.append((m, chain))
-        if diffusers_internals.holds_gguf_weight(m):
-            gguf.append(m)
-    return hooked, diffusers_internals.dequantized_gguf_layers(gguf)
-
-
-class _hoisted_layer_hooks:
-    """Layer hooks hoisted to the block: diffusers' hooks that move or cast a layer's weights run
-    for every such layer of the block before the block's call (each ``pre_forward``, outermost
-    first) and after it (each ``post_forward``), inside the block's own hooks (a block-level onload
-    first, as unpatched; a block a cache skips moves none of its layers), and the layers run their
-    own forwards in between,
-    so Dynamo captures the block whole instead of breaking its graph at each layer
-    (``module.to`` and the hooks' ``torch.compiler.disable``d moves cannot be traced). Each layer
-    sees the weights it sees under its hooks:
-
-    * layerwise casting (``enable_layerwise_casting``): the storage -> compute cast is exact and
-      the way back gives the stored bits again;
-    * leaf-level group offloading: the same onloads, prefetches (in the order recorded on the
-      first forward, which is this order) and stream waits, one block's layers at a time; a
-      prefetch that could still be copying one of the block's own layers is waited for
-      (:func:`diffusers_internals.prefetches_in_flight`);
-    * GGUF weights are dequantized as each layer's forward would
-      (:func:`diffusers_internals.dequantized_gguf_layers`).
-
-    Costs one block's weights on the device (or in the compute dtype) while the block runs,
-    instead of one layer's."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.layers, self.gguf = _hoisted_layers(module)
-        self.forwards: list = []
-        self.weights: list = []
-
-    def __enter__(self):
-        try:
-            self._enter()
-        except BaseException:  # (an onload that runs out of memory, say): the hooks go back on their layers
-            self.__exit__()
-            raise
-        return self
-
-    def _enter(self) -> None:
-        offload_hooks = []
-        for layer, chain in self.layers:
-            self.forwards.append(layer.__dict__.pop("forward"))
-            for ref in reversed(chain):  # outermost first, as the chained forward runs them
-                ref.pre_forward(layer)
-            hook = diffusers_internals.onload_hook(layer)
-            if hook is not None:
-                offload_hooks.append(hook)
-        for stream in diffusers_internals.prefetches_in_flight(offload_hooks):
-            stream.synchronize()
-        if self.gguf:
-            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
-
-            for layer in self.gguf:
-                weight = layer._parameters["weight"]
-                self.weights.append(weight)
-                layer._parameters["weight"] = torch.nn.Parameter(
-                    dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
-
-    def __exit__(self, *exc):
-        for layer, weight in zip(self.gguf, self.weights):  # before the offloads move the layers
-            layer._parameters["weight"] = weight
-        try:
-            for (layer, chain), _ in zip(self.layers, self.forwards):
-                for ref in chain:  # innermost first
-                    ref.post_forward(layer, None)
-        finally:  # (a post_forward that raises leaves no layer without its hooks)
-            for (layer, _), forward in zip(self.layers, self.forwards):
-                layer.forward = forward
-        return False
 
 
 def _remove_inner_calls(module: torch.nn.Module) -> None:
@@ -590,6 +504,7 @@ def patch_transformer(model: torch.nn.Module, dynamic: bool | None = False) -> d
 
 
 def unpatch_transformer(model: torch.nn.Module) -> dict:
+    layer_hooks.flush_offloads()  # a block's offloads waiting for the next block's onloads
     counts: dict[str, int] = {}
     for cls, module in targets(model):
         call = getattr(module, "_compiled_call_impl", None)

@@ -71,12 +71,19 @@ def test_group_offloaded_blocks_run_fused_inside_their_hooks(first, use_stream, 
         _assert_patched_equals_eager(tr, kw)
         assert outputs_equal(models.run_forward(tr, kw), resident)
     else:
+        def on_gpu():  # (a block's offloads may wait for the next block's onloads, not past the forward)
+            return {n for n, p in tr.named_parameters() if p.device.type == "cuda"}
+
         exactdit.patch(tr)
         try:
-            outs = [models.run_forward(tr, kw) for _ in range(3)]
+            outs, left = [], []
+            for _ in range(3):
+                outs.append(models.run_forward(tr, kw))
+                left.append(on_gpu())
         finally:
             exactdit.unpatch(tr)
         assert all(outputs_equal(out, resident) for out in outs + [models.run_forward(tr, kw)])
+        assert left == [on_gpu()] * 3
     assert engine_eager_reasons() == {}
     assert not coverage.in_parts()
 

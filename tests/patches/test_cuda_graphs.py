@@ -727,7 +727,7 @@ def test_a_lora_scale_passed_per_call_records_the_blocks_again(stand_in):
 
 
 def test_blocks_whose_gguf_weights_are_dequantized_around_them_are_not_recorded(stand_in, tmp_path):
-    """GGUF weights are dequantized around each block's call (patches.engine.hoisted_layers): a
+    """GGUF weights are dequantized around each block's call (patches.layer_hooks.hoisted_layers): a
     block graph would read the copies of its recording, so where the forward runs as block runs
     (Qwen-Image's host work) those blocks run unrecorded, with the reason, and equal."""
     import gguf

@@ -307,6 +307,77 @@ def test_group_offloading_keeps_working(offload_type, monkeypatch):
         assert _hooks_hold_the_class_forward(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
 
 
+def test_with_streams_a_blocks_offloads_wait_for_the_next_blocks_onloads(monkeypatch):
+    """Leaf-level offloading with streams, hoisted: a block's offloads (each waits for the compute
+    stream) run after the next block's onloads have queued its copies, so those copies overlap the
+    block's compute (run one after the other, the copies waited for each block: 0.75x eager on
+    Flux.1-dev, H200). The groups moved per call are the unpatched ones, every group is offloaded
+    when the forward returns, and the bits are eager's. The side streams are stand-ins (the CPU
+    has none); the prefetch chain is the one diffusers records on an unpatched first forward (the
+    layers' order of execution, which hoisting does not keep)."""
+    from types import SimpleNamespace as NS
+
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.hooks.group_offloading import ModuleGroup
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    cpu = torch.device("cpu")
+    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    moves = []
+    for name in ("onload_", "offload_"):
+        def logged(self, _move=getattr(ModuleGroup, name), _name=name):
+            moves.append((_name, id(self)))
+            return _move(self)
+        monkeypatch.setattr(ModuleGroup, name, logged)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    order = [g for move, g in moves if move == "onload_"]  # the order the layers ran in
+    hooks = {id(m._diffusers_hook.hooks["group_offloading"].group): m._diffusers_hook.hooks["group_offloading"]
+             for m in tr.modules() if getattr(m, "_diffusers_hook", None) is not None
+             and "group_offloading" in m._diffusers_hook.hooks}
+    chain = [hooks[g] for g in order]
+    for hook, nxt in zip(chain, chain[1:]):  # what diffusers' lazy prefetch hook sets up with streams
+        hook.next_group = nxt.group
+        nxt.group.onload_self = False
+    for hook in chain:
+        hook.group.stream = NS(synchronize=lambda: None)
+    monkeypatch.setattr(ModuleGroup, "_onload_from_memory", lambda self: None)  # (no CUDA copies)
+    monkeypatch.setattr(ModuleGroup, "_offload_to_memory", lambda self: None)
+    block_of = {id(hook.group): i for i, block in enumerate(list(tr.transformer_blocks) + list(tr.single_transformer_blocks))
+                for m in block.modules() for hook in [hooks.get(id(getattr(m, "_diffusers_hook", None)
+                                                                  and m._diffusers_hook.hooks.get("group_offloading")
+                                                                  and m._diffusers_hook.hooks["group_offloading"].group))]
+                if hook is not None}
+    moves.clear()
+    with torch.no_grad():
+        assert_bits_equal(tr(**kw, return_dict=False)[0], ref)
+    unpatched, moves[:] = list(moves), []
+    exactdit.patch(tr)
+    with torch.no_grad():
+        outs = [tr(**kw, return_dict=False)[0] for _ in range(2)]
+    patched = list(moves)
+    exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    assert sorted(patched) == sorted(unpatched * 2)
+    second = patched[len(unpatched):]  # (the first learns which layers the blocks hoist)
+    onloaded = {g: i for i, (m, g) in enumerate(second) if m == "onload_"}
+    offloaded = {g: i for i, (m, g) in enumerate(second) if m == "offload_"}
+    assert set(offloaded) == set(onloaded)  # all offloaded before the forward returned
+    blocks = sorted(set(block_of.values()))
+    for k in blocks[:-1]:  # block k's offloads after block k + 1's onloads (its prefetches included)
+        mine = [offloaded[g] for g, b in block_of.items() if b == k]
+        theirs = [onloaded[g] for g, b in block_of.items() if b == k + 1]
+        assert min(mine) > max(theirs)
+    for k in blocks:  # unpatched: each layer is offloaded right after it ran, before the next block's first copy
+        mine = [i for i, (m, g) in enumerate(unpatched) if m == "offload_" and block_of.get(g) == k]
+        theirs = [i for i, (m, g) in enumerate(unpatched) if m == "onload_" and block_of.get(g) == k + 2]
+        assert not theirs or max(mine) < min(theirs)
+    assert engine_eager_reasons() == {} and not coverage.in_parts()
+
+
 def test_a_prefetch_still_copying_a_layer_of_the_block_is_waited_for():
     """Leaf-level offloading with streams prefetches the next group in the order its first forward
     ran the layers: after a block's hoisted onloads, the last prefetch may still be copying. Only

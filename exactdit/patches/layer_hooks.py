@@ -1,0 +1,134 @@
+"""Layer hooks hoisted to the block, so that a block whose layers carry diffusers hooks that only
+move or cast their weights is captured whole.
+
+Diffusers' hooks that move or cast a layer's weights run for every such layer of the block before
+the block's call (each ``pre_forward``, outermost first) and after it (each ``post_forward``),
+inside the block's own hooks (a block-level onload first, as unpatched; a block a cache skips
+moves none of its layers), and the layers run their own forwards in between, so Dynamo captures
+the block whole instead of breaking its graph at each layer (``module.to`` and the hooks'
+``torch.compiler.disable``d moves cannot be traced). Each layer sees the weights it sees under its
+hooks:
+
+* layerwise casting (``enable_layerwise_casting``): the storage -> compute cast is exact and the
+  way back gives the stored bits again;
+* leaf-level group offloading: the same onloads, prefetches (in the order recorded on the first
+  forward, which is this order) and stream waits, one block's layers at a time; a prefetch that
+  could still be copying one of the block's own layers is waited for
+  (:func:`diffusers_internals.prefetches_in_flight`);
+* GGUF weights are dequantized as each layer's forward would
+  (:func:`diffusers_internals.dequantized_gguf_layers`).
+
+Offloads wait for the next block's onloads (leaf-level group offloading with streams). Each
+onload waits on the host for the side stream's earlier copies, and each offload for the compute
+stream. Unpatched, that overlaps every layer's compute with the next layer's copy. Hoisted, a
+block's compute would overlap only one layer's copy and the copies would wait for it. So when
+the prefetch chain goes on from a block's layers into a layer some block hoisted, the block's
+``post_forward``s run after the next block's ``pre_forward``s have queued its copies, and those
+copies overlap this block's compute. That holds two blocks' weights on the device instead of one
+(:func:`flush_offloads` runs what is still waiting; ``unpatch`` calls it).
+
+The hoisted hooks cost one block's weights on the device (or in the compute dtype) while the block
+runs, instead of one layer's.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import torch
+
+from exactdit.patches import diffusers_internals
+
+#: layers a block's call hoisted the hooks of: a prefetch into one of them starts the next block's onloads
+_HOISTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_waiting = threading.local()  # .offloads: [(layer, hook chain)] whose post_forwards wait for the next block
+
+
+def hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
+    """((layer, hook chain) of the layers below ``module`` whose diffusers hooks only move or cast
+    their weights (:func:`diffusers_internals.hoistable_hook_chain`), in the order of the module
+    tree; the GGUF layers dequantized there, :func:`diffusers_internals.dequantized_gguf_layers`).
+    One walk of the tree by its ``_modules`` (``modules()`` costs ten times more; this runs on every
+    call of every block)."""
+    hooked, gguf = [], []
+    stack = list(reversed(module._modules.values()))
+    while stack:
+        m = stack.pop()
+        stack.extend(reversed(m._modules.values()))
+        if diffusers_internals.hook_registry(m.__dict__) is not None:
+            chain = diffusers_internals.hoistable_hook_chain(m)
+            if chain:
+                hooked.append((m, chain))
+        if diffusers_internals.holds_gguf_weight(m):
+            gguf.append(m)
+    return hooked, diffusers_internals.dequantized_gguf_layers(gguf)
+
+
+def _post_forwards(layers: list) -> None:
+    for layer, chain in layers:
+        for ref in chain:  # innermost first
+            ref.post_forward(layer, None)
+
+
+def flush_offloads() -> None:
+    """Run the ``post_forward``s still waiting for the next block's onloads (this thread's)."""
+    waiting = getattr(_waiting, "offloads", None)
+    if waiting:
+        _waiting.offloads = None
+        _post_forwards(waiting)
+
+
+class hoisted_layer_hooks:
+    """The hooks of ``module``'s layers run around its call (the module doc)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.layers, self.gguf = hoisted_layers(module)
+        self.forwards: list = []
+        self.weights: list = []
+        self.defer = False
+
+    def __enter__(self):
+        try:
+            self._enter()
+        except BaseException:  # (an onload that runs out of memory, say): the hooks go back on their layers
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _enter(self) -> None:
+        offload_hooks = []
+        for layer, chain in self.layers:
+            _HOISTED.add(layer)
+            self.forwards.append(layer.__dict__.pop("forward"))
+            for ref in reversed(chain):  # outermost first, as the chained forward runs them
+                ref.pre_forward(layer)
+            hook = diffusers_internals.onload_hook(layer)
+            if hook is not None:
+                offload_hooks.append(hook)
+        for stream in diffusers_internals.prefetches_in_flight(offload_hooks):
+            stream.synchronize()
+        flush_offloads()  # the previous block's, now that this block's copies are queued
+        self.defer = any(g.onload_leader in _HOISTED for g in diffusers_internals.chain_exits(offload_hooks))
+        if self.gguf:
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            for layer in self.gguf:
+                weight = layer._parameters["weight"]
+                self.weights.append(weight)
+                layer._parameters["weight"] = torch.nn.Parameter(
+                    dequantize_gguf_tensor(weight).to(layer.compute_dtype), requires_grad=False)
+
+    def __exit__(self, *exc):
+        for layer, weight in zip(self.gguf, self.weights):  # before the offloads move the layers
+            layer._parameters["weight"] = weight
+        ran = [(layer, chain) for (layer, chain), _ in zip(self.layers, self.forwards)]
+        for (layer, _), forward in zip(self.layers, self.forwards):
+            layer.forward = forward
+        if self.defer and exc[0] is None:
+            _waiting.offloads = ran
+            return False
+        flush_offloads()  # (an exception: nothing waits)
+        _post_forwards(ran)
+        return False

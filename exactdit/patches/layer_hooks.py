@@ -110,7 +110,9 @@ class hoisted_layer_hooks:
         for stream in diffusers_internals.prefetches_in_flight(offload_hooks):
             stream.synchronize()
         flush_offloads()  # the previous block's, now that this block's copies are queued
-        self.defer = any(g.onload_leader in _HOISTED for g in diffusers_internals.chain_exits(offload_hooks))
+        # (with record_stream an offload does not wait for the compute stream: nothing to overlap)
+        self.defer = any(not h.group.record_stream for h in offload_hooks) and \
+            any(g.onload_leader in _HOISTED for g in diffusers_internals.chain_exits(offload_hooks))
         if self.gguf:
             from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 

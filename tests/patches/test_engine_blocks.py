@@ -376,6 +376,18 @@ def test_with_streams_a_blocks_offloads_wait_for_the_next_blocks_onloads(monkeyp
         theirs = [i for i, (m, g) in enumerate(unpatched) if m == "onload_" and block_of.get(g) == k + 2]
         assert not theirs or max(mine) < min(theirs)
     assert engine_eager_reasons() == {} and not coverage.in_parts()
+    for hook in chain:  # with record_stream an offload does not wait for compute: run at once, as unpatched
+        hook.group.record_stream = True
+    exactdit.patch(tr)
+    moves.clear()
+    with torch.no_grad():
+        tr(**kw, return_dict=False), tr(**kw, return_dict=False)
+    exactdit.unpatch(tr)
+    second = moves[len(unpatched):]
+    for k in blocks[:-1]:
+        mine = [i for i, (m, g) in enumerate(second) if m == "offload_" and block_of.get(g) == k]
+        theirs = [i for i, (m, g) in enumerate(second) if m == "onload_" and block_of.get(g) == k + 2]
+        assert not theirs or max(mine) < min(theirs)
 
 
 def test_a_prefetch_still_copying_a_layer_of_the_block_is_waited_for():

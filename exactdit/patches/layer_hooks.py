@@ -18,14 +18,14 @@ hooks:
 * GGUF weights are dequantized as each layer's forward would
   (:func:`diffusers_internals.dequantized_gguf_layers`).
 
-Offloads wait for the next block's onloads (leaf-level group offloading with streams). Each
-onload waits on the host for the side stream's earlier copies, and each offload for the compute
-stream. Unpatched, that overlaps every layer's compute with the next layer's copy. Hoisted, a
-block's compute would overlap only one layer's copy and the copies would wait for it. So when
-the prefetch chain goes on from a block's layers into a layer some block hoisted, the block's
-``post_forward``s run after the next block's ``pre_forward``s have queued its copies, and those
-copies overlap this block's compute. That holds two blocks' weights on the device instead of one
-(:func:`flush_offloads` runs what is still waiting; ``unpatch`` calls it).
+Offloads wait for the next block's onloads (leaf-level group offloading with streams, without
+``record_stream``). Each onload waits on the host for the side stream's earlier copies, and each
+offload for the compute stream. Unpatched, that overlaps every layer's compute with the next
+layer's copy. Hoisted, a block's compute would overlap only one layer's copy and the copies would
+wait for it. So when the prefetch chain goes on from a block's layers into a layer some block
+hoisted, the block's ``post_forward``s run after the next block's ``pre_forward``s have queued its
+copies, and those copies overlap this block's compute. That holds two blocks' weights on the
+device instead of one (:func:`flush_offloads` runs what is still waiting; ``unpatch`` calls it).
 
 The hoisted hooks cost one block's weights on the device (or in the compute dtype) while the block
 runs, instead of one layer's.

@@ -264,13 +264,9 @@ def test_first_block_cache_hooks_run_around_the_captured_blocks():
     assert all(type(b.forward).__name__ == "method" for b in tr.transformer_blocks)
 
 
-@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
-def test_group_offloading_keeps_working(offload_type, monkeypatch):
-    """Group offloading (its hooks move parameters in torch.compiler.disable'd functions): with
-    hooks on the blocks the blocks' forwards still run captured inside them; with hooks on the
-    layers inside a block (leaf level) the hooks run for all the block's layers around its call and
-    the block is captured whole. Either way each group is onloaded and offloaded once a call, as
-    unpatched, and the hooks are back on their layers after each call."""
+def _group_offloaded_flux(offload_type: str, monkeypatch):
+    """A tiny Flux under diffusers' group offloading on the CPU, its inputs, and the list each
+    group's moves are logged to as (``"onload_"`` or ``"offload_"``, the group's id)."""
     from diffusers.hooks import apply_group_offloading
     from diffusers.hooks.group_offloading import ModuleGroup
 
@@ -282,10 +278,21 @@ def test_group_offloading_keeps_working(offload_type, monkeypatch):
                            **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
     moves = []
     for name in ("onload_", "offload_"):
-        def counted(self, _move=getattr(ModuleGroup, name), _name=name):
+        def logged(self, _move=getattr(ModuleGroup, name), _name=name):
             moves.append((_name, id(self)))
             return _move(self)
-        monkeypatch.setattr(ModuleGroup, name, counted)
+        monkeypatch.setattr(ModuleGroup, name, logged)
+    return tr, kw, moves
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offloading_keeps_working(offload_type, monkeypatch):
+    """Group offloading (its hooks move parameters in torch.compiler.disable'd functions): with
+    hooks on the blocks the blocks' forwards still run captured inside them; with hooks on the
+    layers inside a block (leaf level) the hooks run for all the block's layers around its call and
+    the block is captured whole. Either way each group is onloaded and offloaded once a call, as
+    unpatched, and the hooks are back on their layers after each call."""
+    tr, kw, moves = _group_offloaded_flux(offload_type, monkeypatch)
     with torch.no_grad():
         ref = tr(**kw, return_dict=False)[0]
     unpatched, moves[:] = sorted(moves), []
@@ -317,20 +324,9 @@ def test_with_streams_a_blocks_offloads_wait_for_the_next_blocks_onloads(monkeyp
     layers' order of execution, which hoisting does not keep)."""
     from types import SimpleNamespace as NS
 
-    from diffusers.hooks import apply_group_offloading
     from diffusers.hooks.group_offloading import ModuleGroup
 
-    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 3}
-    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
-    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
-    cpu = torch.device("cpu")
-    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
-    moves = []
-    for name in ("onload_", "offload_"):
-        def logged(self, _move=getattr(ModuleGroup, name), _name=name):
-            moves.append((_name, id(self)))
-            return _move(self)
-        monkeypatch.setattr(ModuleGroup, name, logged)
+    tr, kw, moves = _group_offloaded_flux("leaf_level", monkeypatch)
     with torch.no_grad():
         ref = tr(**kw, return_dict=False)[0]
     order = [g for move, g in moves if move == "onload_"]  # the order the layers ran in

@@ -406,8 +406,8 @@ _register([aten.copy.default], Rule(POINTWISE, _copy_emit, _copy_check))
 
 
 def _empty_emit(em, node, index):
-    # uninitialised memory: any value is eager's; a region that exposed one would differ from its
-    # ATen reference at verification and run eager, so only fully overwritten ones stay fused
+    # uninitialised memory: any value is eager's; inside a region only (the partition hands none back:
+    # its ATen reference's garbage would fail verification), so only fully overwritten ones are fused
     return em.constant(0.0, dtype_of(node))
 
 
@@ -519,7 +519,8 @@ def _table_emit(em, node, index):
     from exactdit.engine.tables import lookup_code
 
     x = em.value(node.args[0], index)
-    x = em.broadcast(x, FULL) if em.effective(x.kind) == FULL else x
+    # a one-element operand loads as a 0-d value, which the lookup's gather cannot index: broadcast
+    x = em.broadcast(x, FULL) if em.effective(x.kind) == SCALAR else x
     return em.let(lookup_code(em, node, x), x.dtype, x.kind)
 
 

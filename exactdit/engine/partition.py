@@ -372,8 +372,10 @@ def _region_from_group(g: _Group, name: str, outputs_of_graph: set[fx.Node]) -> 
             g.split_cat = anchor
     domain = shape_of(anchor)
     numel = math.prod(domain)
-    # bool results are not stored (a consumer outside reads ATen's)
-    wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel or n.meta["val"].dtype == torch.bool}
+    # bool and complex results are not stored (a consumer outside reads ATen's; a kernel writes real lanes
+    # only), nor uninitialised memory (eager's is whatever the allocator left: the gate would compare garbage)
+    wrong_size = {n for n in outputs if math.prod(shape_of(n)) != numel or n.meta["val"].dtype == torch.bool
+                  or n.meta["val"].dtype.is_complex or n.target is torch.ops.aten.empty_like.default}
     if wrong_size:
         return None, wrong_size, None
     n_kernels = sum(1 for n in g.nodes if _is_compute(n))

@@ -166,6 +166,69 @@ def test_aliases_scatters_and_copies_into_views_keep_eagers_storages_and_offsets
     assert all(torch.equal(o, r) for o, r in zip(out, ref)) and torch.equal(x_fused, x_eager)
 
 
+@pytest.mark.parametrize("complex_op", ["clone", "mul"])
+def test_a_complex_value_read_outside_through_view_as_real_is_left_to_aten(complex_op):
+    """An fp32 model's complex RoPE (Lumina2's ``view_as_real(view_as_complex(q) * freqs)``, where
+    ``type_as(q)`` casts nothing): the view is read outside the region, so the complex value itself
+    was the region's output, which a kernel cannot write (Triton raised on its pointer; the gate
+    ran eager instead). It is left to ATen, the rest stays fused; fuzzer finding."""
+    import exactdit
+    from exactdit.engine import coverage
+
+    g = torch.Generator().manual_seed(6)
+    q, w = rand((1, 2, 4, 4), torch.float32, "cpu", g), rand((4,), torch.float32, "cpu", g)
+    freqs = torch.polar(torch.ones(4, 2), rand((4, 2), torch.float32, "cpu", g))
+
+    def f(q):
+        c = torch.view_as_complex((q * w + 0.5).reshape(*q.shape[:-1], -1, 2))
+        c = c.clone() if complex_op == "clone" else c * freqs
+        return (torch.view_as_real(c).flatten(3) + 1) * 2, torch.view_as_real(c)
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            out = torch.compile(f, backend=make_backend("Complex"), fullgraph=True)(q)
+    finally:
+        torch._dynamo.reset()
+    for o, r in zip(out, f(q)):
+        assert torch.equal(o, r) and o.stride() == r.stride()
+    assert not any(r["disabled"] for r in exactdit.report(show=False).values())
+    graph = [r for r in coverage.graphs() if r.name.startswith("Complex")][-1]
+    assert len(graph.regions) == 2 and not graph.failed, graph  # before and after the complex value
+    assert graph.why_left == {f"{complex_op}: set aside: its value must be handed to ATen": 1}, graph.why_left
+
+
+def test_uninitialised_memory_is_not_handed_back_by_a_region():
+    """``empty_like(v).copy_(...)`` where the copy stays outside the regions (its value is read by
+    two): the region ending in ``empty_like`` handed back the kernel's zeros, and verification
+    compared them with eager's uninitialised memory, disabling the signature or not as the
+    allocator's leftovers fell (fuzzer finding). ``empty_like`` is left to ATen now."""
+    import exactdit
+    import torch.nn.functional as F
+
+    from exactdit.engine import coverage
+
+    def f(x):
+        v = x[..., ::2]
+        y = torch.empty_like(v).copy_(v * 2)
+        n = F.layer_norm(torch.cat([y[:, :1] * 2, y], dim=1), (3,), eps=1e-6) * 2
+        return n[:, 1:] + y,
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            g = torch.compile(f, backend=make_backend("Empty"), fullgraph=True)
+            for seed in range(3):
+                x = rand((1, 1, 2, 6), torch.bfloat16, "cpu", torch.Generator().manual_seed(seed))
+                assert torch.equal(g(x)[0], f(x)[0])
+    finally:
+        torch._dynamo.reset()
+    assert not any(r["disabled"] for r in exactdit.report(show=False).values())
+    graph = [r for r in coverage.graphs() if r.name.startswith("Empty")][-1]
+    assert graph.regions and not any("empty_like" in k and "set aside" not in k for k in graph.why_left)
+    assert graph.left.get("empty_like") == 1, graph
+
+
 def test_an_alias_of_a_value_only_its_region_sees_is_handed_back_fused():
     # Qwen-Image 2.1's block returns alias(cat(...)) (a whole index): no other value of that storage
     # is read outside the region, so a storage of its own is what eager's caller can observe too

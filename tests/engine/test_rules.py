@@ -73,6 +73,21 @@ def test_a_0_dim_fp32_tensor_is_rounded_to_the_result_dtype_as_cuda_loads_it(op,
     assert len(report.regions) == 1 and not report.left, (report.regions, report.left, report.why_left)
 
 
+@pytest.mark.parametrize("op", [aten.tanh.default, aten.exp.default, aten.silu.default])
+def test_a_table_op_of_a_one_element_operand_looks_up_every_lane(op):
+    """A tanh-gated residual with a one-element gate (``x + tanh(alpha) * x``): the gate loads as a
+    0-d value, which the lookup's gather could not index (the region raised in Triton's
+    interpreter; verified, the gate ran eager instead). It is broadcast first. One region."""
+    g = torch.Generator().manual_seed(8)
+    x, alpha = rand((2, 4, 8), torch.bfloat16, "cpu", g), rand((1,), torch.bfloat16, "cpu", g)
+
+    def build(b, x, alpha):
+        return [b.op(aten.add.Tensor, x, b.op(aten.mul.Tensor, b.op(op, alpha), x))]
+
+    report = rewritten_run(build, [x, alpha])
+    assert len(report.regions) == 1 and not report.left, (report.regions, report.left, report.why_left)
+
+
 def test_permuted_and_strided_inputs():
     g = torch.Generator().manual_seed(3)
     x = rand((9, 2, 64), torch.bfloat16, "cpu", g).permute(1, 0, 2)  # [S, B, D] seen as [B, S, D]

@@ -74,6 +74,37 @@ def onload_hook(module):
     return hook if hook is not None and hook.group.onload_leader is module else None
 
 
+def records_layer_order(module) -> bool:
+    """Whether diffusers' group offloading with streams is recording, on this forward, the order
+    the module's layer runs in (its prefetch chain follows that order from the next forward)."""
+    registry = hook_registry(module.__dict__)
+    return registry is not None and "layer_execution_tracker" in registry.hooks
+
+
+def in_prefetch_order(layers: list) -> list:
+    """``layers`` ([(layer, ...)], in the order of the module tree) reordered so that each layer
+    whose group another one prefetches (``next_group``) comes right after it: the order the
+    layers ran in when diffusers recorded the chain. Run in tree order, a layer's ``pre_forward``
+    can come before its group was prefetched (diffusers then copies it synchronously, and its
+    predecessor copies it again). Layers outside the chain keep their place."""
+    hooks = [onload_hook(entry[0]) for entry in layers]
+    at = {id(h.group): i for i, h in enumerate(hooks) if h is not None}
+    after = {i: at[id(h.next_group)] for i, h in enumerate(hooks)
+             if h is not None and h.next_group is not None and at.get(id(h.next_group), i) != i}
+    if not after:
+        return layers
+    preceded, order, seen = set(after.values()), [], set()
+    for i in range(len(layers)):
+        if i in preceded:
+            continue  # reached from the layer before it
+        while i is not None and i not in seen:
+            order.append(i)
+            seen.add(i)
+            i = after.get(i)
+    order += [i for i in range(len(layers)) if i not in seen]  # (a cycle: no chain has one)
+    return [layers[i] for i in order]
+
+
 def prefetches_in_flight(hooks: list) -> list:
     """The side streams that may still be copying the weights of these group-offloading hooks'
     groups (hooks in the order their ``pre_forward`` ran, none since). Each onload first waits for

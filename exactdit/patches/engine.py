@@ -190,8 +190,17 @@ class EngineCall:
     def __call__(self, *args, **kwargs):
         if _capture_inside_hooks(self):
             return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
-        with hoisted_layer_hooks(self.module):
+        hoisted = hoisted_layer_hooks(self.module)
+        if hoisted.recording:
+            return self._recording(self.module._call_impl, *args, **kwargs)
+        with hoisted:
             return self._run(self.compiled, self.parts, self.module._call_impl, *args, **kwargs)
+
+    def _recording(self, eager, *args, **kwargs):
+        """Diffusers' code, its layers' hooks at each layer: group offloading records their order."""
+        layer_hooks.flush_offloads()
+        gate.count_eager(f"engine.{self.state.label}", layer_hooks.RECORDING_ORDER)
+        return eager(*args, **kwargs)
 
     def _run(self, compiled, parts, eager, *args, **kwargs):
         runner = getattr(block_calls, "runner", None)
@@ -409,7 +418,10 @@ class InnerCall:
         if self.dynamic is not self.owner.dynamic:  # patched again with another ``dynamic``
             self.dynamic = self.owner.dynamic
             self.compiled, self.parts = _compiled(self.forward, self.owner.state.backend, self.dynamic)
-        with hoisted_layer_hooks(self.owner.module):  # inside the block's own hooks, as unpatched
+        hoisted = hoisted_layer_hooks(self.owner.module)
+        if hoisted.recording:
+            return self.owner._recording(self.forward, *args, **kwargs)
+        with hoisted:  # inside the block's own hooks, as unpatched
             return self.owner._run(self.compiled, self.parts, self.forward, *args, **kwargs)
 
 

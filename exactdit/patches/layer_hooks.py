@@ -11,9 +11,11 @@ hooks:
 
 * layerwise casting (``enable_layerwise_casting``): the storage -> compute cast is exact and the
   way back gives the stored bits again;
-* leaf-level group offloading: the same onloads, prefetches (in the order recorded on the first
-  forward, which is this order) and stream waits, one block's layers at a time; a prefetch that
-  could still be copying one of the block's own layers is waited for
+* leaf-level group offloading: the same onloads, prefetches and stream waits, one block's layers
+  at a time, in the order of the prefetch chain diffusers recorded on the first forward (the
+  order the layers ran in: :func:`diffusers_internals.in_prefetch_order`; while it records, the
+  block runs diffusers' code, so that the chain is the unpatched one); a prefetch that could still
+  be copying one of the block's own layers is waited for
   (:func:`diffusers_internals.prefetches_in_flight`);
 * GGUF weights are dequantized as each layer's forward would
   (:func:`diffusers_internals.dequantized_gguf_layers`).
@@ -66,6 +68,10 @@ def hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
     return hooked, diffusers_internals.dequantized_gguf_layers(gguf)
 
 
+RECORDING_ORDER = ("group offloading with streams records the order its layers run in (this forward only): "
+                   "the block runs diffusers' code")
+
+
 def _post_forwards(layers: list) -> None:
     for layer, chain in layers:
         for ref in chain:  # innermost first
@@ -84,7 +90,11 @@ class hoisted_layer_hooks:
     """The hooks of ``module``'s layers run around its call (the module doc)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.layers, self.gguf = hoisted_layers(module)
+        layers, self.gguf = hoisted_layers(module)
+        self.layers = diffusers_internals.in_prefetch_order(layers)
+        #: diffusers records the order the layers run in on this forward: the block must run them
+        #: one by one (its own code, :data:`RECORDING_ORDER`), or the chain follows the hoisted order
+        self.recording = any(diffusers_internals.records_layer_order(layer) for layer, _ in layers)
         self.forwards: list = []
         self.weights: list = []
         self.defer = False

@@ -6,6 +6,7 @@
 #   engine-equality  Flux.1-dev forwards at 1024^2 B=1 and 768x1360 B=2, 28-step FluxPipeline md5, test configs
 #   engine-bench     Flux.1-dev 1024^2 B=1: eager, exactdit (kernel-time breakdown, clock, power), regional compile
 #   engine-tests     pytest -m gpu for the engine
+#   tests-k          pytest -m gpu tests -k "$TESTS_K" (with the carried wheels on the path, as every stage)
 #   unrun-tests      the GPU tests written since the last device run (2026-12-04): calls while kernels compile,
 #                    group offloading (leaf level, streams, prefetch order recorded unpatched or patched), LoRA
 #                    replays across adapter changes, fused GEMMs in every candidate tile configuration; a few minutes
@@ -103,6 +104,9 @@ for stage in "$@"; do
         tests/patches/test_gpu_cuda_graphs.py tests/engine/test_gpu_gemm.py \
         -k "calls_while or group_offloaded or lora_replays or candidate_tile or way_that_raises or timed_choice or cat_along" 2>&1 | \
         tee "$OUT/gpu_unrun_tests.log" | tail -12 ;;
+    tests-k)
+      timeout ${TESTS_TIMEOUT_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests -k "${TESTS_K:?set TESTS_K}" 2>&1 | \
+        tee "$OUT/gpu_tests_k.log" | grep -v "^\." | tail -30 ;;
     engine-tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_engine.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -6 ;;
     minis-tests)

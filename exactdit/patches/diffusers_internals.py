@@ -74,11 +74,24 @@ def onload_hook(module):
     return hook if hook is not None and hook.group.onload_leader is module else None
 
 
+TRACKER = "layer_execution_tracker"
+
+
 def records_layer_order(module) -> bool:
     """Whether diffusers' group offloading with streams is recording, on this forward, the order
-    the module's layer runs in (its prefetch chain follows that order from the next forward)."""
+    the module's layer runs in (its prefetch chain follows that order from the next forward). A
+    layer that did not run while the order was recorded (an inactive LoRA adapter's) keeps its
+    tracker for good: recording is over once the first layer recorded has lost its own."""
     registry = hook_registry(module.__dict__)
-    return registry is not None and "layer_execution_tracker" in registry.hooks
+    tracker = registry.hooks.get(TRACKER) if registry is not None else None
+    if tracker is None:
+        return False
+    cells = getattr(getattr(tracker, "execution_order_update_callback", None), "__closure__", None) or ()
+    recorders = [c.cell_contents for c in cells if hasattr(c.cell_contents, "execution_order")]
+    if not recorders:
+        return True  # (another diffusers: run diffusers' code, exact either way)
+    order = recorders[0].execution_order
+    return not order or TRACKER in hook_names(order[0][1].__dict__)
 
 
 def in_prefetch_order(layers: list) -> list:
@@ -101,7 +114,7 @@ def in_prefetch_order(layers: list) -> list:
             order.append(i)
             seen.add(i)
             i = after.get(i)
-    order += [i for i in range(len(layers)) if i not in seen]  # (a cycle: no chain has one)
+    order += [i for i in range(len(layers)) if i not in seen]  # a cycle (layers that ran twice): tree order
     return [layers[i] for i in order]
 
 

@@ -443,6 +443,40 @@ def test_hoisted_layers_move_in_the_order_diffusers_recorded(monkeypatch):
     assert runs["patched"] == runs["unpatched"]
 
 
+def test_a_layer_that_did_not_run_while_the_order_was_recorded_leaves_its_block_fused(monkeypatch):
+    """Diffusers removes the order tracker only from the layers that ran (an inactive LoRA
+    adapter's keep theirs): the recording is over after the first forward all the same, and the
+    block runs fused from the second (where a tracker alone meant recording, it ran diffusers' code
+    on every call)."""
+    from diffusers.hooks import apply_group_offloading
+
+    from exactdit.patches import diffusers_internals
+
+    cfg = {**models.get_spec("flux").config("tiny"), "num_layers": 2, "num_single_layers": 1}
+    tr = models.build_transformer("flux", cfg, dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("flux", tr, batch=1, height=32, width=32, seed=7)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    tr.transformer_blocks[0].unused = torch.nn.Linear(8, 8).to(torch.bfloat16)  # never called
+    cpu = torch.device("cpu")
+    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    _record_prefetch_order(tr)
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with torch.no_grad():
+        outs = [tr(**kw, return_dict=False)[0] for _ in range(3)]
+    exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    unused = tr.transformer_blocks[0].unused
+    assert diffusers_internals.TRACKER in unused._diffusers_hook.hooks  # (diffusers left it)
+    assert not diffusers_internals.records_layer_order(unused)
+    assert engine_eager_reasons() == {f"engine.FluxTransformer2DModel.{c}": {layer_hooks.RECORDING_ORDER: n}
+                                      for c, n in (("FluxTransformerBlock", 2), ("FluxSingleTransformerBlock", 1),
+                                                   ("AdaLayerNormContinuous", 1))}
+    assert _graph_runs("FluxTransformerBlock") == 2 * 2
+
+
 def test_a_prefetch_still_copying_a_layer_of_the_block_is_waited_for():
     """Leaf-level offloading with streams prefetches the next group in the order its first forward
     ran the layers: after a block's hoisted onloads, the last prefetch may still be copying. Only

@@ -136,6 +136,15 @@ def engine_eager_reasons() -> dict:
     return {k: v["eager_reasons"] for k, v in exactdit.report(show=False).items() if k.startswith("engine.") and v["eager"]}
 
 
+def flux_recording_reasons(double: int, single: int) -> dict:
+    """:func:`engine_eager_reasons` of a Flux whose blocks (and final norm) ran diffusers' code on the
+    one forward group offloading with streams recorded its layers' order."""
+    from exactdit.patches.layer_hooks import RECORDING_ORDER
+
+    counts = (("FluxTransformerBlock", double), ("FluxSingleTransformerBlock", single), ("AdaLayerNormContinuous", 1))
+    return {f"engine.FluxTransformer2DModel.{c}": {RECORDING_ORDER: n} for c, n in counts}
+
+
 def uncompile(model: torch.nn.Module) -> None:
     for m in model.modules():
         if getattr(m, "_compiled_call_impl", None) is not None:

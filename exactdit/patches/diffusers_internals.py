@@ -41,10 +41,11 @@ def hook_chain(module) -> tuple:
     return tuple(getattr(hook_registry(module.__dict__), "_fn_refs", None) or ())
 
 
+TRACKER = "layer_execution_tracker"  # group offloading's recorder of the order layers run in
 #: diffusers hooks that only move or cast a layer's weights, or note the order layers run in (by
 #: registry name: class name): exactdit runs them for all of a block's layers around its call
 HOISTABLE_HOOKS = {"layerwise_casting": "LayerwiseCastingHook", "group_offloading": "GroupOffloadingHook",
-                "layer_execution_tracker": "LayerExecutionTrackerHook"}
+                TRACKER: "LayerExecutionTrackerHook"}
 
 
 def hoistable_hook_chain(module) -> tuple:
@@ -72,9 +73,6 @@ def onload_hook(module):
     registry = hook_registry(module.__dict__)
     hook = registry.hooks.get("group_offloading") if registry is not None else None
     return hook if hook is not None and hook.group.onload_leader is module else None
-
-
-TRACKER = "layer_execution_tracker"
 
 
 def records_layer_order(module) -> bool:

@@ -13,8 +13,8 @@ from exactdit.engine import coverage
 from exactdit.harness import models
 from exactdit.harness.models import qwen
 from exactdit.harness.metrics import outputs_equal
-from exactdit.patches import layer_hooks
-from tests.engine_helpers import assert_patched_equals_eager, engine_eager_reasons, graph_break_then, wrap_feed_forward
+from tests.engine_helpers import (assert_patched_equals_eager, engine_eager_reasons, flux_recording_reasons,
+                                  graph_break_then, wrap_feed_forward)
 
 pytestmark = pytest.mark.gpu
 
@@ -86,9 +86,7 @@ def test_group_offloaded_blocks_run_fused_inside_their_hooks(first, use_stream, 
         assert all(outputs_equal(out, resident) for out in outs + [models.run_forward(tr, kw)])
         assert left == [on_gpu()] * 3
     recorded = first == "patched" and use_stream and offload_type == "leaf_level"  # (the first forward, unfused)
-    assert engine_eager_reasons() == ({f"engine.FluxTransformer2DModel.{c}": {layer_hooks.RECORDING_ORDER: n}
-                                       for c, n in (("FluxTransformerBlock", 2), ("FluxSingleTransformerBlock", 3),
-                                                    ("AdaLayerNormContinuous", 1))} if recorded else {})
+    assert engine_eager_reasons() == (flux_recording_reasons(double=2, single=3) if recorded else {})
     assert not coverage.in_parts()
 
 

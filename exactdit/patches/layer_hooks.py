@@ -95,6 +95,8 @@ class hoisted_layer_hooks:
         #: diffusers records the order the layers run in on this forward: the block must run them
         #: one by one (its own code, :data:`RECORDING_ORDER`), or the chain follows the hoisted order
         self.recording = any(diffusers_internals.records_layer_order(layer) for layer, _ in layers)
+        if self.recording:  # hoisted from the next forward on: a prefetch into them then defers offloads
+            _HOISTED.update(layer for layer, _ in layers)  # (from the forward after that, otherwise)
         self.forwards: list = []
         self.weights: list = []
         self.defer = False

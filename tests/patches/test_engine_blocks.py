@@ -439,6 +439,47 @@ def test_hoisted_layers_move_in_the_order_diffusers_recorded(monkeypatch):
     assert runs["patched"] == runs["unpatched"]
 
 
+def test_offloads_wait_for_the_next_block_from_the_forward_after_the_recording_one(monkeypatch):
+    """A model patched before its first forward with streams: the recording forward runs diffusers'
+    code, and the next one already holds each block's offloads until the next block's onloads are
+    queued (the layers the recording forward saw count as hoisted; they waited from the third)."""
+    from types import SimpleNamespace as NS
+
+    from diffusers.hooks.group_offloading import ModuleGroup
+
+    tr, kw, moves = _group_offloaded_flux("leaf_level", monkeypatch)
+    with torch.no_grad():
+        ref = tr(**kw, return_dict=False)[0]
+    _record_prefetch_order(tr)
+    names = {id(m._diffusers_hook.hooks["group_offloading"].group): name for name, m in tr.named_modules()
+             if "group_offloading" in getattr(getattr(m, "_diffusers_hook", None), "hooks", {})}
+    torch._dynamo.reset()
+    exactdit.patch(tr)
+    with torch.no_grad():
+        outs = [tr(**kw, return_dict=False)[0]]  # records the order
+        for m in tr.modules():  # stand-in side streams (the CPU has none; nothing to copy)
+            hooks = getattr(getattr(m, "_diffusers_hook", None), "hooks", {})
+            if "group_offloading" in hooks:
+                hooks["group_offloading"].group.stream = NS(synchronize=lambda: None)
+        monkeypatch.setattr(ModuleGroup, "_onload_from_memory", lambda self: None)
+        monkeypatch.setattr(ModuleGroup, "_offload_to_memory", lambda self: None)
+        moves.clear()
+        outs.append(tr(**kw, return_dict=False)[0])
+    second = [(m, names[g]) for m, g in moves if g in names]
+    exactdit.unpatch(tr)
+    for out in outs:
+        assert_bits_equal(out, ref)
+    moves = [(m, name) for m, name in second if "transformer_blocks." in name]  # (the rest move as unpatched)
+    block = lambda name: ".".join(name.split(".")[:2])  # noqa: E731
+    blocks = list(dict.fromkeys(block(name) for _, name in moves))
+    assert len(blocks) == 5
+    for this, nxt in zip(blocks, blocks[1:]):
+        offloads = [i for i, (m, name) in enumerate(moves) if m == "offload_" and block(name) == this]
+        onloads = [i for i, (m, name) in enumerate(moves) if m == "onload_" and block(name) == nxt]
+        assert offloads and onloads and min(offloads) > max(onloads), (this, nxt)
+    assert engine_eager_reasons() == flux_recording_reasons(double=2, single=3)
+
+
 def test_a_layer_that_did_not_run_while_the_order_was_recorded_leaves_its_block_fused(monkeypatch):
     """Diffusers removes the order tracker only from the layers that ran (an inactive LoRA
     adapter's keep theirs): the recording is over after the first forward all the same, and the

@@ -28,6 +28,9 @@ wait for it. So when the prefetch chain goes on from a block's layers into a lay
 hoisted, the block's ``post_forward``s run after the next block's ``pre_forward``s have queued its
 copies, and those copies overlap this block's compute. That holds two blocks' weights on the
 device instead of one (:func:`flush_offloads` runs what is still waiting; ``unpatch`` calls it).
+A block's own group (the parameters it holds outside its layers, Wan's ``scale_shift_table``),
+moved by diffusers' hook on the block itself, is part of the chain: its offload waits with the
+layers' (:class:`_OffloadLater`), and a prefetch into it counts as one into a hoisted block.
 
 The hoisted hooks cost one block's weights on the device (or in the compute dtype) while the block
 runs, instead of one layer's.
@@ -86,17 +89,44 @@ def flush_offloads() -> None:
         _post_forwards(waiting)
 
 
+class _OffloadLater:
+    """A block's own group-offloading ``post_forward`` (:func:`diffusers_internals.own_offload_hook`)
+    taken out of diffusers' hook chain for one call: the hook's wrapper, right after the block's
+    call, finds a stand-in that only puts the hook back, and the offload runs with the block's
+    layers' (:func:`_post_forwards`, once the next block's onloads are queued)."""
+
+    def __init__(self, ref):
+        self.ref, self.offload = ref, ref.post_forward
+        ref.post_forward = self._skip
+
+    def _skip(self, module, output):
+        self._restore()
+        return output
+
+    def _restore(self) -> None:
+        if self.ref.post_forward == self._skip:
+            self.ref.post_forward = self.offload
+
+    def post_forward(self, module, output):
+        self._restore()
+        return self.offload(module, output)
+
+
 class hoisted_layer_hooks:
     """The hooks of ``module``'s layers run around its call (the module doc)."""
 
     def __init__(self, module: torch.nn.Module):
         layers, self.gguf = hoisted_layers(module)
         self.layers = diffusers_internals.in_prefetch_order(layers)
+        self.module = module
+        #: the block's own group, where its layers are offloaded by groups of their own (leaf level)
+        self.own = diffusers_internals.own_offload_hook(module) \
+            if any(diffusers_internals.onload_hook(layer) is not None for layer, _ in layers) else ()
         #: diffusers records the order the layers run in on this forward: the block must run them
         #: one by one (its own code, :data:`RECORDING_ORDER`), or the chain follows the hoisted order
         self.recording = any(diffusers_internals.records_layer_order(layer) for layer, _ in layers)
         if self.recording:  # hoisted from the next forward on: a prefetch into them then defers offloads
-            _HOISTED.update(layer for layer, _ in layers)  # (from the forward after that, otherwise)
+            self._mark_hoisted()  # (from the forward after that, otherwise)
         self.forwards: list = []
         self.weights: list = []
         self.defer = False
@@ -109,10 +139,15 @@ class hoisted_layer_hooks:
             raise
         return self
 
+    def _mark_hoisted(self) -> None:
+        _HOISTED.update(layer for layer, _ in self.layers)
+        if self.own:
+            _HOISTED.add(self.module)
+
     def _enter(self) -> None:
-        offload_hooks = []
+        self._mark_hoisted()
+        offload_hooks = [self.own[0]] if self.own else []
         for layer, chain in self.layers:
-            _HOISTED.add(layer)
             self.forwards.append(layer.__dict__.pop("forward"))
             for ref in reversed(chain):  # outermost first, as the chained forward runs them
                 ref.pre_forward(layer)
@@ -141,7 +176,7 @@ class hoisted_layer_hooks:
         for (layer, _), forward in zip(self.layers, self.forwards):
             layer.forward = forward
         if self.defer and exc[0] is None:
-            _waiting.offloads = ran
+            _waiting.offloads = ran + ([(self.module, (_OffloadLater(self.own[1]),))] if self.own else [])
             return False
         flush_offloads()  # (an exception: nothing waits)
         _post_forwards(ran)

@@ -188,6 +188,7 @@ class EngineCall:
         self.compiled, self.parts = _compiled(module._call_impl, self.state.backend, dynamic)
 
     def __call__(self, *args, **kwargs):
+        layer_hooks.flush_stale_offloads(self.module)
         if _capture_inside_hooks(self):
             return self.module._call_impl(*args, **kwargs)  # hooks eager, the forward inside them captured
         hoisted = hoisted_layer_hooks(self.module)
@@ -418,7 +419,7 @@ class InnerCall:
         if self.dynamic is not self.owner.dynamic:  # patched again with another ``dynamic``
             self.dynamic = self.owner.dynamic
             self.compiled, self.parts = _compiled(self.forward, self.owner.state.backend, self.dynamic)
-        hoisted = hoisted_layer_hooks(self.owner.module)
+        hoisted = hoisted_layer_hooks(self.owner.module, inside_hooks=True)
         if hoisted.recording:
             return self.owner._recording(self.forward, *args, **kwargs)
         with hoisted:  # inside the block's own hooks, as unpatched

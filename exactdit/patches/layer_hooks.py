@@ -31,6 +31,8 @@ device instead of one (:func:`flush_offloads` runs what is still waiting; ``unpa
 A block's own group (the parameters it holds outside its layers, Wan's ``scale_shift_table``),
 moved by diffusers' hook on the block itself, is part of the chain: its offload waits with the
 layers' (:class:`_OffloadLater`), and a prefetch into it counts as one into a hoisted block.
+Offloads waiting for a block that does not come (a cache skipped it, an exception stopped the
+forward) run at the next block call, before anything of it is onloaded (:func:`flush_stale_offloads`).
 
 The hoisted hooks cost one block's weights on the device (or in the compute dtype) while the block
 runs, instead of one layer's.
@@ -46,9 +48,12 @@ import torch
 
 from exactdit.patches import diffusers_internals
 
-#: layers a block's call hoisted the hooks of: a prefetch into one of them starts the next block's onloads
-_HOISTED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_waiting = threading.local()  # .offloads: [(layer, hook chain)] whose post_forwards wait for the next block
+#: layer -> the block that hoists its hooks (a block's own group: block -> block): a prefetch into
+#: one of them starts that block's onloads
+_HOISTED: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+#: .offloads: (the blocks the prefetch chain goes on into, [(layer, hook chain)]): post_forwards that
+#: wait for one of those blocks' onloads
+_waiting = threading.local()
 
 
 def hoisted_layers(module: torch.nn.Module) -> tuple[list, list]:
@@ -86,7 +91,17 @@ def flush_offloads() -> None:
     waiting = getattr(_waiting, "offloads", None)
     if waiting:
         _waiting.offloads = None
-        _post_forwards(waiting)
+        _post_forwards(waiting[1])
+
+
+def flush_stale_offloads(block: torch.nn.Module) -> None:
+    """Before anything of ``block`` is onloaded (its own hooks included): run the offloads still
+    waiting unless the prefetch chain goes on from them into ``block``. Those were left by a forward
+    that stopped before the block they wait for (a cache skipped the blocks after, an exception);
+    run later, they would offload weights this forward has onloaded."""
+    waiting = getattr(_waiting, "offloads", None)
+    if waiting and block not in waiting[0]:
+        flush_offloads()
 
 
 class _OffloadLater:
@@ -96,6 +111,9 @@ class _OffloadLater:
     layers' (:func:`_post_forwards`, once the next block's onloads are queued)."""
 
     def __init__(self, ref):
+        earlier = getattr(ref.post_forward, "__self__", None)
+        if isinstance(earlier, _OffloadLater):  # (left by a call another thread made: its hook goes back)
+            earlier._restore()
         self.ref, self.offload = ref, ref.post_forward
         ref.post_forward = self._skip
 
@@ -115,13 +133,14 @@ class _OffloadLater:
 class hoisted_layer_hooks:
     """The hooks of ``module``'s layers run around its call (the module doc)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, inside_hooks: bool = False):
         layers, self.gguf = hoisted_layers(module)
         self.layers = diffusers_internals.in_prefetch_order(layers)
         self.module = module
         #: the block's own group, where its layers are offloaded by groups of their own (leaf level)
-        self.own = diffusers_internals.own_offload_hook(module) \
-            if any(diffusers_internals.onload_hook(layer) is not None for layer, _ in layers) else ()
+        #: and the block's hooks run around this call (``inside_hooks``: its ``post_forward`` comes after)
+        self.own = diffusers_internals.own_offload_hook(module) if inside_hooks and \
+            any(diffusers_internals.onload_hook(layer) is not None for layer, _ in layers) else ()
         #: diffusers records the order the layers run in on this forward: the block must run them
         #: one by one (its own code, :data:`RECORDING_ORDER`), or the chain follows the hoisted order
         self.recording = any(diffusers_internals.records_layer_order(layer) for layer, _ in layers)
@@ -129,7 +148,7 @@ class hoisted_layer_hooks:
             self._mark_hoisted()  # (from the forward after that, otherwise)
         self.forwards: list = []
         self.weights: list = []
-        self.defer = False
+        self.defer: set = set()  # the blocks this block's offloads wait for (the next one's onloads)
 
     def __enter__(self):
         try:
@@ -140,9 +159,10 @@ class hoisted_layer_hooks:
         return self
 
     def _mark_hoisted(self) -> None:
-        _HOISTED.update(layer for layer, _ in self.layers)
+        for layer, _ in self.layers:
+            _HOISTED[layer] = self.module
         if self.own:
-            _HOISTED.add(self.module)
+            _HOISTED[self.module] = self.module
 
     def _enter(self) -> None:
         self._mark_hoisted()
@@ -158,8 +178,9 @@ class hoisted_layer_hooks:
             stream.synchronize()
         flush_offloads()  # the previous block's, now that this block's copies are queued
         # (with record_stream an offload does not wait for the compute stream: nothing to overlap)
-        self.defer = any(not h.group.record_stream for h in offload_hooks) and \
-            any(g.onload_leader in _HOISTED for g in diffusers_internals.chain_exits(offload_hooks))
+        if any(not h.group.record_stream for h in offload_hooks):
+            exits = diffusers_internals.chain_exits(offload_hooks)
+            self.defer = {_HOISTED[g.onload_leader] for g in exits if g.onload_leader in _HOISTED}
         if self.gguf:
             from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
@@ -176,7 +197,8 @@ class hoisted_layer_hooks:
         for (layer, _), forward in zip(self.layers, self.forwards):
             layer.forward = forward
         if self.defer and exc[0] is None:
-            _waiting.offloads = ran + ([(self.module, (_OffloadLater(self.own[1]),))] if self.own else [])
+            _waiting.offloads = (self.defer,
+                                 ran + ([(self.module, (_OffloadLater(self.own[1]),))] if self.own else []))
             return False
         flush_offloads()  # (an exception: nothing waits)
         _post_forwards(ran)

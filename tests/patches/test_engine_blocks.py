@@ -507,6 +507,89 @@ def test_offloads_wait_for_the_next_block_from_the_forward_after_the_recording_o
         assert engine_eager_reasons() == flux_recording_reasons(double=2, single=3)
 
 
+def _poisoned_offloading_wan_run(patched: bool, scenario: str, monkeypatch) -> list:
+    """A tiny Wan under first-block caching and leaf-level offloading with (stand-in) streams whose
+    offloads poison the weights with NaN and whose onloads put them back: a layer that computes with
+    offloaded weights shows. Outputs of a forward that records the order and three more (with
+    ``scenario="exception"``, the second raises after the first block ran: no cache context)."""
+    from types import SimpleNamespace as NS
+
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_group_offloading
+    from diffusers.hooks.group_offloading import ModuleGroup
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    cfg = {**models.get_spec("wan").config("tiny"), "num_layers": 4}
+    tr = models.build_transformer("wan", cfg, dtype=torch.bfloat16, seed=6)
+    kw = models.forward_inputs("wan", tr, batch=1, height=32, width=32, seed=7, num_frames=5)
+    tr.enable_cache(FirstBlockCacheConfig(threshold=1e9))  # the blocks after the first skipped from the 2nd call
+    cpu = torch.device("cpu")
+    apply_group_offloading(tr, onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    _record_prefetch_order(tr)
+    real = {}
+
+    def tensors(group):
+        return [t for m in group.modules for t in (*m.parameters(), *m.buffers())] + \
+            list(group.parameters) + list(group.buffers)
+
+    for m in tr.modules():
+        hook = getattr(getattr(m, "_diffusers_hook", None), "hooks", {}).get("group_offloading")
+        if hook is not None:
+            for t in tensors(hook.group):
+                real.setdefault(t, t.data)
+
+    def onload(self):
+        for t in tensors(self):
+            t.data = real[t]
+
+    def offload(self):
+        for t in tensors(self):
+            t.data = torch.full_like(real[t], float("nan"))
+
+    monkeypatch.setattr(ModuleGroup, "onload_", onload)  # (undone by the caller before the next model)
+    monkeypatch.setattr(ModuleGroup, "offload_", offload)
+    torch._dynamo.reset()
+    if patched:
+        exactdit.patch(tr)
+    HookRegistry.check_if_exists_or_initialize(tr).reset_stateful_hooks(recurse=True)
+    outs = []
+    with torch.no_grad(), tr.cache_context("cond"):
+        outs.append(tr(**kw, return_dict=False)[0])  # records the order
+        for m in tr.modules():
+            hook = getattr(getattr(m, "_diffusers_hook", None), "hooks", {}).get("group_offloading")
+            if hook is not None:
+                hook.group.stream = NS(synchronize=lambda: None)
+        for call in range(3):
+            if scenario == "exception" and call == 0:
+                _set_cache_context(tr, None)  # the first block's cache hook raises after the block ran
+                with pytest.raises(ValueError, match="cache context"):
+                    tr(**kw, return_dict=False)
+                _set_cache_context(tr, CacheContext("cond"))
+                continue
+            outs.append(tr(**kw, return_dict=False)[0])
+    if patched:
+        exactdit.unpatch(tr)
+    return outs
+
+
+@pytest.mark.parametrize("scenario", ["cache_skips_the_next_block", "exception"])
+def test_offloads_waiting_for_a_block_that_does_not_come_run_before_the_next_onloads(scenario, monkeypatch):
+    """A block's offloads wait for the next block's onloads; when that block does not run (a cache
+    skips it) or the forward stops (an exception after the block), they run at the next block call
+    before anything of it is onloaded. Run later (inside the next forward's first block, after its
+    onloads), they offloaded its weights before it computed (NaN here; found by a review)."""
+    with monkeypatch.context() as patching:
+        ref = _poisoned_offloading_wan_run(False, scenario, patching)
+    with monkeypatch.context() as patching:
+        outs = _poisoned_offloading_wan_run(True, scenario, patching)
+    assert len(outs) == len(ref) >= 3
+    for out, expected in zip(outs, ref):
+        assert not expected.isnan().any()
+        assert_bits_equal(out, expected)
+    from exactdit.patches import layer_hooks
+
+    assert getattr(layer_hooks._waiting, "offloads", None) is None
+
+
 def test_a_layer_that_did_not_run_while_the_order_was_recorded_leaves_its_block_fused(monkeypatch):
     """Diffusers removes the order tracker only from the layers that ran (an inactive LoRA
     adapter's keep theirs): the recording is over after the first forward all the same, and the

@@ -571,6 +571,7 @@ def _poisoned_offloading_wan_run(patched: bool, scenario: str, monkeypatch) -> l
     return outs
 
 
+@pytest.mark.slow  # (two tiny Wans twice: the default run keeps within its 15 minutes)
 @pytest.mark.parametrize("scenario", ["cache_skips_the_next_block", "exception"])
 def test_offloads_waiting_for_a_block_that_does_not_come_run_before_the_next_onloads(scenario, monkeypatch):
     """A block's offloads wait for the next block's onloads; when that block does not run (a cache

@@ -79,10 +79,10 @@ def own_offload_hook(module) -> tuple:
     """(hook, ref) of the group-offloading hook by which ``module`` onloads and offloads a group of
     its own, or (). Leaf-level offloading puts the parameters a block holds outside its layers (Wan's
     ``scale_shift_table``) in such a group, moved by a hook on the block around the block's call."""
-    registry = hook_registry(module.__dict__)
-    hook = registry.hooks.get("group_offloading") if registry is not None else None
-    if hook is None or hook.group.onload_leader is not module or hook.group.offload_leader is not module:
+    hook = onload_hook(module)
+    if hook is None or hook.group.offload_leader is not module:
         return ()
+    registry = hook_registry(module.__dict__)
     return hook, registry._fn_refs[registry._hook_order.index("group_offloading")]
 
 

@@ -35,7 +35,8 @@
 #   first-call-cprofile  Flux.1-dev 1024^2 first call under cProfile, cold caches then warm (twice): where the
 #                    GPU host's first call goes, the first block class's "partition" second included
 #   first-call-warm  Flux.1-dev 1024^2 first call in fresh processes, cold caches then warm twice, no profiler
-#                    (issue 33's warm-cache first call)
+#                    (issue 33's warm-cache first call); FIRST_CALL_RUNS="cold warm warm-lowering warm" picks the
+#                    runs (warm-lowering: EXACTDIT_CAPTURE_CACHE=0, every graph lowered by AOTAutograd again)
 #   new-shapes       profile_first_call.py, HunyuanVideo at 544x960x17, 480x848x33, 368x640x25, 544x960x17 again,
 #                    patched with dynamic=True / None / False (DYNAMIC_MODES="first auto static"): each first call
 #   new-sizes-tests  pytest -m gpu tests/minis/test_gpu_minis.py -k new_sizes: 33 minis at three batch sizes in a row under
@@ -170,10 +171,12 @@ for stage in "$@"; do
           grep -E "call:|^first calls|^  [A-Z]"
       done ;;
     first-call-warm)
-      for caches in cold warm warm; do
-        timeout 100 python3 benchmarks/models/profile_first_call.py --model flux --config full --resolutions 1024x1024 \
-          --no-eager-warmup --caches $caches 2>&1 | grep -v Warn | tee -a "$OUT/first_call_warm.log" | \
-          grep -E "call:|^first calls"
+      for run in ${FIRST_CALL_RUNS:-cold warm warm}; do  # warm-lowering: warm caches but AOTAutograd lowers every graph
+        caches=${run%-lowering}; lowering=1; [ "$run" = warm-lowering ] && lowering=0
+        echo "== $run"
+        EXACTDIT_CAPTURE_CACHE=$lowering timeout 100 python3 benchmarks/models/profile_first_call.py --model flux \
+          --config full --resolutions 1024x1024 --no-eager-warmup --caches $caches 2>&1 | grep -v Warn | \
+          tee -a "$OUT/first_call_warm.log" | grep -E "^==|call:|^first calls|^lowered graphs"
       done ;;
     new-shapes)
       for mode in ${DYNAMIC_MODES:-first auto static}; do

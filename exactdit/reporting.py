@@ -7,7 +7,7 @@ import re
 from collections import Counter
 
 from exactdit import first_calls, gate
-from exactdit.engine import coverage
+from exactdit.engine import capture_cache, coverage
 
 REGION_SUFFIX = re.compile(r"\.r\d+$")
 
@@ -42,7 +42,8 @@ class Report(dict):
 
     def __str__(self) -> str:
         if not self:
-            return "\n".join(["exactdit: no op has been called yet"] + first_calls.lines(self.first_calls))
+            return "\n".join(["exactdit: no op has been called yet"] + first_calls.lines(self.first_calls)
+                             + [line for line in [capture_cache.describe()] if line])
         rows = [("op / captured graph", "fused", "eager", "verified", "disabled", "eager because")]
         for name, e in sorted(grouped(self).items()):
             why = ", ".join(f"{r} x{n}" for r, n in e["eager_reasons"].items()) or "-"
@@ -63,6 +64,7 @@ class Report(dict):
         for graph in coverage.graphs():
             lines.extend(graph.lines())
         lines.extend(first_calls.lines(self.first_calls))
+        lines.extend(line for line in [capture_cache.describe()] if line)
         return "\n".join(lines)
 
     __repr__ = __str__

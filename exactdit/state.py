@@ -9,7 +9,9 @@
 * ``details``: fields a patch shows with its report entry (what a model's CUDA graphs cover,
   :func:`exactdit.gate.describe`);
 * ``first_calls``: per block class and phase, the seconds the engine's first calls spent
-  (capture, partition, codegen, Triton compile, verification, ...: :mod:`exactdit.first_calls`).
+  (capture, partition, codegen, Triton compile, verification, ...: :mod:`exactdit.first_calls`);
+* ``captures``: lowered graphs loaded from and stored to the disk cache, and why others were not
+  (:mod:`exactdit.engine.capture_cache`).
 
 The modules that own each part keep a reference to its container and mutate it in place, so
 ``reset`` (tests, or a long-lived process that wants a clean slate) clears everything at once. Not
@@ -28,6 +30,7 @@ class ProcessState:
         self.block_classes: dict = {}
         self.details: dict = {}
         self.first_calls: dict = {}
+        self.captures: dict = {}
 
     def reset(self) -> None:
         """Forget everything: verified and disabled signatures, counters, coverage reports, the
@@ -38,6 +41,7 @@ class ProcessState:
         self.block_classes.clear()
         self.details.clear()
         self.first_calls.clear()
+        self.captures.clear()
 
 
 STATE = ProcessState()

@@ -7,6 +7,16 @@ import torch
 
 if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
+# the lowered graphs' disk cache (engine/capture_cache.py) starts empty for each run, so a run's
+# first capture of each graph lowers it and the later ones (the same tiny models, test after test)
+# load it: both paths run throughout the suite
+if "EXACTDIT_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["EXACTDIT_CACHE"] = tempfile.mkdtemp(prefix="exactdit-tests-")
+    atexit.register(shutil.rmtree, os.environ["EXACTDIT_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

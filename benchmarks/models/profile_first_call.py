@@ -270,6 +270,8 @@ def main(argv=None) -> None:
     import exactdit
     from benchmarks.runner import append_results, environment, model_label, write_json
     from exactdit import first_calls
+    from exactdit.engine import capture_cache
+    from exactdit.state import STATE
 
     triton = TritonCompiles()
     t = time.perf_counter()
@@ -296,6 +298,8 @@ def main(argv=None) -> None:
     del eager
     report = exactdit.report(show=False)
     print("\n".join(first_calls.lines(report.first_calls)), flush=True)
+    lowered = {"enabled": capture_cache.enabled(), **STATE.captures}
+    print(capture_cache.describe() or "lowered graphs: none loaded or stored", flush=True)
     exactdit.unpatch(tr)
     compiled = compile_first_calls(tr, calls) if args.compile else []
 
@@ -306,7 +310,8 @@ def main(argv=None) -> None:
             continue
         order = "first call" if r is rows[0] else f"new resolution {rows.index(r) // 2 + 1}"
         results.append(dict(model_or_op=model, shape=f"{r['resolution']} B={args.batch}", dtype="bf16",
-                            path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}), profiled",
+                            path=f"exactdit {order} ({args.caches} caches, dynamic={args.dynamic}"
+                                 + ("" if lowered["enabled"] else ", EXACTDIT_CAPTURE_CACHE=0") + "), profiled",
                             ms=r["wall_s"] * 1e3, ratio=None,
                             ratio_kind=None, equal=r["equal"], first_call_s=r["wall_s"], kernels_ready_s=r["kernels_ready_s"],
                             patch_s=patch_s,
@@ -314,7 +319,7 @@ def main(argv=None) -> None:
                             phase_counts={p: v[1] for p, v in r["phases"].items()},
                             per_block_s={b: {p: round(v[0], 3) for p, v in ph.items()} for b, ph in r["per_block"].items()},
                             unaccounted_s=r["unaccounted_s"], triton_compiles=r["triton_compiles"],
-                            dynamo_graphs=r["dynamo_graphs"], device=args.device))
+                            dynamo_graphs=r["dynamo_graphs"], lowered_graphs=lowered, device=args.device))
     for r in compiled:
         if r["call"] == "first":
             order = "first call" if r is compiled[0] else "new resolution"

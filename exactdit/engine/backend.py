@@ -25,7 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from exactdit import first_calls
-from exactdit.engine import coverage, specialize
+from exactdit.engine import capture_cache, coverage, specialize
 from exactdit.engine.aten_ops import shares_input_storage
 from exactdit.engine.partition import find_regions
 from exactdit.engine.runtime import RegionOp, region_call_target
@@ -280,6 +280,7 @@ def compile_graph(label: str):
         name = f"{label}#{next(_graph_ids)}"
         first_calls.claim_capture(label)  # the Dynamo compile under way is this block class's
         first_calls.install_capture_timer()  # (again, for the next, after a torch._dynamo.reset())
+        capture_cache.store_pending(gm)  # before the rewrite changes it
         try:
             report = rewrite(gm, name)
         except Exception as e:  # noqa: BLE001 - a graph the engine cannot rewrite still runs as captured
@@ -305,7 +306,16 @@ def make_backend(label: str = "graph"):
         if specialize.symbolic_positions(example_inputs):
             first_calls.claim_capture(label)
             return specialize.PerSignature(gm, example_inputs, label, aot, rewrite)
-        return aot(gm, example_inputs)
+        key = capture_cache.key_for(gm, example_inputs) if capture_cache.enabled() else None
+        if key is not None:
+            lowered = capture_cache.load(key)
+            if lowered is not None:  # what AOTAutograd would lower it to again (engine/capture_cache.py)
+                return capture_cache.runner(rewrite(lowered, example_inputs))
+        capture_cache.pending(key, len(example_inputs))
+        try:
+            return aot(gm, example_inputs)
+        finally:
+            capture_cache.pending(None)
 
     return backend
 

@@ -228,6 +228,30 @@ def test_start_computes_tritons_key_in_a_thread(monkeypatch):
     assert len(compile_workers._KEYED) == 1
 
 
+def test_the_key_thread_hashes_with_a_short_switch_interval_and_puts_it_back(monkeypatch):
+    """Triton's key hashes 415 MB in 1 MB reads; with the default 5 ms switch interval each read
+    waits for a busy main thread (Dynamo tracing) to hand the GIL back."""
+    import sys
+
+    import triton.runtime.cache
+
+    seen = []
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    compile_workers._triton_key()
+    assert seen == [pytest.approx(compile_workers.KEY_SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before
+
+    def changed_meanwhile():
+        sys.setswitchinterval(0.002)
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", changed_meanwhile)
+    try:
+        compile_workers._triton_key()
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # someone else's setting is left alone
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_a_specialisation_waits_for_the_key_thread_rather_than_computing_tritons_key_beside_it(monkeypatch):
     import threading
     import time

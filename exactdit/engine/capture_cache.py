@@ -33,12 +33,12 @@ import hashlib
 import logging
 import os
 import sys
-import tempfile
 import threading
 
 import torch
 import torch.fx as fx
 
+from exactdit.engine import kernel_source
 from exactdit.state import STATE
 
 logger = logging.getLogger("exactdit")
@@ -75,10 +75,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("EXACTDIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "exactdit")
-    path = os.path.join(root, "captures")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return kernel_source.cache_dir("captures")
 
 
 def key_for(gm: fx.GraphModule, example_inputs) -> str | None:
@@ -219,11 +216,7 @@ def store_pending(gm: fx.GraphModule) -> None:
 
         options = Options(ops_filter=None, node_metadata_key_filter=lambda k: k in _KEPT_META)
         data = GraphPickler.dumps(gm, options)
-        path = _path(key)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # atomic: concurrent processes see a complete file
+        kernel_source.write_atomically(_path(key), data)
     except Exception as e:  # noqa: BLE001 - not stored: the next process lowers it again
         _count("not stored", f"storing failed: {type(e).__name__}")
         logger.debug("exactdit: capture %s not stored: %s", key, e)

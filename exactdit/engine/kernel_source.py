@@ -31,11 +31,21 @@ _modules: dict[str, object] = {}
 _lock = threading.Lock()
 
 
-def cache_dir() -> str:
+def cache_dir(kind: str = "kernels") -> str:
+    """The folder of ``$EXACTDIT_CACHE`` (default ``~/.cache/exactdit``) that keeps ``kind``:
+    generated kernels, or the lowered graphs of :mod:`exactdit.engine.capture_cache`."""
     root = os.environ.get("EXACTDIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "exactdit")
-    path = os.path.join(root, "kernels")
+    path = os.path.join(root, kind)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that concurrent processes see either no file or all of it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def load(source: str, name: str = "region_kernel"):
@@ -47,9 +57,6 @@ def load(source: str, name: str = "region_kernel"):
         if module is None:
             path = os.path.join(cache_dir(), f"exactdit_{digest}.py")
             if not os.path.exists(path):
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".py")
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)  # atomic: concurrent processes see a complete file
+                write_atomically(path, text.encode())
             module = _modules[digest] = import_file(f"exactdit_generated_{digest}", path)
     return getattr(module, name)

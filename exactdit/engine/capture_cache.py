@@ -12,11 +12,12 @@ What is stored is what AOTAutograd would compile again, so a hit is exactly a mi
 
 - **the key** (:func:`key_for`) covers the Dynamo graph's code (every op, constant and the
   source line each came from), each input's type, dtype, device, sizes, strides, offset, grad
-  flags, view and storage sharing, the grad / inference / deterministic modes, AOTAutograd's
-  config, this torch and Python, and this module's format. Graphs are not stored (counted, with
-  the reason) when they call something other than torch's ops and functions (a custom op, a
-  higher-order op, a submodule), hold tensor constants, take symbolic sizes or tensor subclasses,
-  or run under autocast;
+  flags, view and storage sharing, the grad / inference / deterministic modes, what picks a
+  kernel or decomposition while AOTAutograd traces (:func:`_environment`), AOTAutograd's config,
+  this torch and Python, and this module's format. Graphs are not stored (counted, with the
+  reason) when they call something other than torch's ops and builtins and the Python functions
+  of :data:`_PYTHON_FUNCTIONS` (a custom op, a higher-order op, a submodule, ``einsum``), hold
+  tensor constants, take symbolic sizes or tensor subclasses, or run under autocast;
 - **the wrapper is trivial**: AOTAutograd wraps the compiled graph in code that writes mutated
   inputs back, regenerates outputs that alias inputs, threads effect tokens and RNG state, and
   dedupes inputs. Only graphs that need none of it are stored (:func:`_plain`): no input
@@ -34,6 +35,7 @@ import logging
 import os
 import sys
 import threading
+import types
 
 import torch
 import torch.fx as fx
@@ -48,6 +50,16 @@ _FORMAT = 1  # raise when what is stored, or how AOTAutograd is called (engine/b
 _OP_NAMESPACES = ("aten", "prims")
 _FUNCTION_MODULES = ("torch", "_operator", "operator", "builtins", "math")
 _KEPT_META = ("val", "stack_trace")
+#: torch's Python functions Dynamo leaves in its graphs that AOTAutograd may trace again: those
+#: whose trace reads nothing but their arguments and what the key holds (LayerNorm's and
+#: GroupNorm's cuDNN flag, autocast's default dtypes). Others (einsum reads opt_einsum's settings,
+#: interpolate, ...) are not stored.
+_PYTHON_FUNCTIONS = frozenset(
+    [f"torch.nn.functional.{f}" for f in (
+        "layer_norm", "group_norm", "rms_norm", "dropout", "silu", "mish", "relu", "leaky_relu", "elu",
+        "hardswish", "hardsigmoid", "softplus", "softmax", "log_softmax", "pad", "normalize", "embedding")]
+    + ["torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast"]
+)
 
 
 def _count(what: str, reason: str | None = None) -> None:
@@ -104,8 +116,11 @@ def _not_storable(gm: fx.GraphModule) -> str | None:
                 return f"the graph calls the custom op {namespace}::"
             continue
         module = getattr(target, "__module__", None) or ""
+        name = f"{module}.{getattr(target, '__name__', target)}"
         if module.split(".")[0] not in _FUNCTION_MODULES:
-            return f"the graph calls {module}.{getattr(target, '__name__', target)}"
+            return f"the graph calls {name}"
+        if isinstance(target, types.FunctionType) and name not in _PYTHON_FUNCTIONS:
+            return f"the graph calls {name}"  # (its trace may read state the key does not hold)
     return None
 
 
@@ -129,22 +144,34 @@ def _not_storable_state() -> str | None:
 
 def _environment(example_inputs) -> str:
     """What the lowering reads beside the graph and its inputs: AOTAutograd's config, the modes,
-    and what picks an op's decomposition (scaled_dot_product_attention's backend: the SDPA flags
-    and the device), this torch and this module's format."""
+    what picks an op's decomposition or kernel at trace time (scaled_dot_product_attention's
+    backend: its flags, priority order, cuDNN and the card; the math path's fp16 / bf16 reduction;
+    LayerNorm's cuDNN flag; the default autocast dtypes an ``autocast`` inside a block reads), this
+    torch and this module's format."""
     fc = torch._functorch.config
     config = sorted((k, repr(v)) for k, v in fc.get_config_copy().items() if not callable(v))
-    backends = torch.backends
-    sdpa = [f() for f in (backends.cuda.flash_sdp_enabled, backends.cuda.mem_efficient_sdp_enabled,
-                          backends.cuda.math_sdp_enabled, getattr(backends.cuda, "cudnn_sdp_enabled", bool))]
+    cuda = torch.backends.cuda
+    sdpa = [_read(f) for f in (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled,
+                               getattr(cuda, "cudnn_sdp_enabled", None),
+                               getattr(cuda, "fp16_bf16_reduction_math_sdp_allowed", None),
+                               getattr(torch._C, "_get_overrideable_sdp_enabled", None),
+                               getattr(torch._C, "_get_sdp_priority_order", None))]
     devices = sorted({str(a.device) for a in example_inputs if isinstance(a, torch.Tensor)})
     cards = [(torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d)) for d in devices if d.startswith("cuda")]
+    current = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in _read(getattr(torch._C, "_autocast_supported_devices", None)) or ()]
     return repr((
         _FORMAT, torch.__version__, torch.version.git_version, torch.version.cuda, sys.version_info[:2],
         torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(),
-        torch.get_default_dtype(), torch.get_float32_matmul_precision(), backends.cudnn.enabled,
-        backends.mkldnn.enabled, sdpa, cards, torch._C._len_torch_function_stack(),
-        torch._C._len_torch_dispatch_stack(), config,
+        torch.get_default_dtype(), torch.get_float32_matmul_precision(), torch.backends.cudnn.enabled,
+        torch.backends.cudnn.version(), torch.backends.mkldnn.enabled, sdpa, cards, current, autocast,
+        torch.is_autocast_cache_enabled(), torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack(),
+        config,
     ))
+
+
+def _read(getter):
+    return None if getter is None else getter()
 
 
 def _storage_indices(example_inputs) -> list:
@@ -237,12 +264,18 @@ def _plain(gm: fx.GraphModule, inputs: int) -> str | None:
         return "an output aliases an input or an intermediate"
     if meta.tokens or getattr(meta, "is_rng_op_functionalized", False) or meta.grad_enabled_mutation is not None:
         return "the graph threads effect tokens, RNG state or a grad-mode change"
-    if any(type(m).__name__ == "SubclassCreationMeta" for m in meta.subclass_inp_meta):
-        return "an input is a tensor subclass"
+    if any(type(m).__name__ == "SubclassCreationMeta"
+           for m in (*meta.subclass_inp_meta, *getattr(meta, "subclass_fw_graph_out_meta", ()))):
+        return "an input or output is a tensor subclass"
     placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     if placeholders != inputs:
         return "AOTAutograd changed the graph's inputs"
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    if len(output.args[0]) != meta.num_outputs:
+        return "AOTAutograd changed the graph's outputs"
     for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            return f"the ATen graph calls the higher-order op {node.target.name()}"
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
                 and node.target.namespace not in _OP_NAMESPACES:
             return f"the ATen graph calls {node.target.namespace}::"

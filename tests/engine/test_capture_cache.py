@@ -142,6 +142,60 @@ def test_autocast_and_custom_ops_are_not_stored():
     assert STATE.captures == {"not stored": {"autocast is on": 1, "the graph calls the custom op exactdit_test::": 1}}
 
 
+def _attention(q, k, v):
+    return (torch.nn.functional.scaled_dot_product_attention(q, k, v),)
+
+
+def test_what_picks_a_kernel_at_trace_time_is_part_of_the_key():
+    """The math attention's fp16 / bf16 reduction flag and the default autocast dtype an
+    ``autocast`` inside the block reads are read while AOTAutograd traces: found by a review, where
+    a graph stored under one setting was loaded under the other with other bits."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(1, 2, 37, 64, generator=g).bfloat16() for _ in range(3)]
+    for reduced in (False, True):
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = _captured(_attention, qkv)
+                with torch.no_grad():
+                    assert _equal(out, _attention(*qkv))
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+    assert STATE.captures == {"stored": 2}
+
+    def autocast_inside(x, w, y):
+        with torch.autocast("cpu"):
+            return (x @ w,)
+
+    before = torch.get_autocast_dtype("cpu")
+    args = _inputs(dtype=torch.float32)
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            torch.set_autocast_dtype("cpu", dtype)
+            out = _captured(autocast_inside, args)
+            with torch.no_grad():
+                assert out[0].dtype == dtype and _equal(out, autocast_inside(*args))
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+    assert STATE.captures == {"stored": 4}
+
+
+def test_functions_whose_trace_reads_unkeyed_state_and_subclass_outputs_are_not_stored():
+    g = torch.Generator().manual_seed(0)
+    abc = (torch.randn(64, 3, generator=g), torch.randn(3, 64, generator=g), torch.randn(64, 64, generator=g))
+    out = _captured(lambda a, b, c: (torch.einsum("ij,jk,kl->il", a, b, c),), abc)  # (opt_einsum's order)
+    with torch.no_grad():
+        assert _equal(out, (torch.einsum("ij,jk,kl->il", *abc),))
+    jagged = (torch.randn(10, 4, generator=g), torch.tensor([0, 3, 7, 10]))
+    out = _captured(lambda v, off: torch.nested.nested_tensor_from_jagged(v * 2, off + 0).sin(), jagged)
+    assert out.is_nested  # (a hit would have skipped AOTAutograd's wrapping: a plain tensor)
+    assert STATE.captures == {"not stored": {
+        "the graph calls torch.functional.einsum": 1,
+        "the graph calls torch.nested._internal.nested_tensor.nested_view_from_values_offsets_lengths": 1}}
+
+
 def test_a_file_that_does_not_load_is_lowered_again_and_replaced():
     args = _inputs()
     _captured(_block, args)

@@ -43,7 +43,7 @@ class Report(dict):
     def __str__(self) -> str:
         if not self:
             return "\n".join(["exactdit: no op has been called yet"] + first_calls.lines(self.first_calls)
-                             + [line for line in [capture_cache.describe()] if line])
+                             + capture_cache.lines())
         rows = [("op / captured graph", "fused", "eager", "verified", "disabled", "eager because")]
         for name, e in sorted(grouped(self).items()):
             why = ", ".join(f"{r} x{n}" for r, n in e["eager_reasons"].items()) or "-"
@@ -64,7 +64,7 @@ class Report(dict):
         for graph in coverage.graphs():
             lines.extend(graph.lines())
         lines.extend(first_calls.lines(self.first_calls))
-        lines.extend(line for line in [capture_cache.describe()] if line)
+        lines.extend(capture_cache.lines())
         return "\n".join(lines)
 
     __repr__ = __str__

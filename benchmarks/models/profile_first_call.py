@@ -299,7 +299,7 @@ def main(argv=None) -> None:
     report = exactdit.report(show=False)
     print("\n".join(first_calls.lines(report.first_calls)), flush=True)
     lowered = {"enabled": capture_cache.enabled(), **STATE.captures}
-    print(capture_cache.describe() or "lowered graphs: none loaded or stored", flush=True)
+    print("\n".join(capture_cache.lines() or ["lowered graphs: none loaded or stored"]), flush=True)
     exactdit.unpatch(tr)
     compiled = compile_first_calls(tr, calls) if args.compile else []
 

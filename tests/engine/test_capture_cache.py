@@ -215,8 +215,8 @@ def test_the_report_says_what_was_loaded_stored_and_why_not():
     _captured(_block, _inputs())
     _captured(_block, _inputs())
     _captured(_returns_a_view_of_an_input, _inputs())
-    assert capture_cache.describe() == ("lowered graphs: 1 loaded from the disk cache, 1 stored; not stored: "
-                                        "an output aliases an input or an intermediate (1)")
+    assert capture_cache.lines() == ["lowered graphs: 1 loaded from the disk cache, 1 stored; not stored: "
+                                     "an output aliases an input or an intermediate (1)"]
 
 
 _TWO_PROCESSES = """
